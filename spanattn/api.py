@@ -1,0 +1,83 @@
+"""attention(): check the tensors against the plan, pick a backend, run it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import backends
+from .plan import Plan
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+AUTO_ORDER = ("triton", "sdpa", "reference")
+
+
+def _check(q, k, v, plan: Plan) -> None:
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a spanattn.Plan (from spanattn.plan), got {type(plan).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not torch.is_tensor(t):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{name}.dtype must be one of float16/bfloat16/float32, got {t.dtype}")
+        if t.device != plan.device:
+            raise ValueError(f"{name} is on {t.device} but the plan is on {plan.device}; plan on the same device")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[0] != plan.total_q:
+        raise ValueError(f"q has {q.shape[0]} tokens but the plan packs {plan.total_q} queries")
+    if k.shape[0] != plan.total_k or v.shape[0] != plan.total_k:
+        raise ValueError(
+            f"k and v must have the plan's {plan.total_k} packed keys, got {k.shape[0]} and {v.shape[0]}"
+        )
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same number of heads, got {k.shape[1]} and {v.shape[1]}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]}) for GQA")
+    if q.shape[2] != k.shape[2] or v.shape[2] != k.shape[2]:
+        raise ValueError(f"q, k, v must share head_dim, got {q.shape[2]}, {k.shape[2]}, {v.shape[2]}")
+
+
+def attention(q, k, v, plan: Plan, *, backend: str = "auto", scale: float | None = None,
+              softcap: float | None = None, return_lse: bool = False):
+    """Attention of packed varlen ``q [total_q, Hq, D]`` over ``k, v [total_k, Hkv, D]`` under the
+    plan's mask. Returns ``out [total_q, Hq, D]`` (q's dtype), and with ``return_lse=True`` also
+    ``lse [total_q, Hq]`` (fp32, natural log of the softmax denominator, scale applied).
+
+    backend: ``"auto"`` takes the first that can run this call of triton (CUDA), sdpa, reference;
+        a backend named explicitly runs or raises, never falls back.
+    scale: softmax scale, default ``1 / sqrt(D)``. softcap: Gemma-2-style ``c * tanh(s / c)``.
+
+    >>> import torch, spanattn as sa
+    >>> p = sa.plan(sa.Batch([sa.Seq(q_len=3, kv_len=5, spans=[(2, 4)])]), sa.LayerMask())
+    >>> q = torch.randn(3, 2, 16); k = v = torch.randn(5, 1, 16)
+    >>> sa.attention(q, k, v, p).shape
+    torch.Size([3, 2, 16])
+    """
+    _check(q, k, v, plan)
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    opts = {"scale": scale, "softcap": softcap, "return_lse": return_lse}
+    if backend == "auto":
+        reasons = []
+        for name in AUTO_ORDER:
+            if name not in backends.BACKENDS:
+                continue
+            mod = backends.load(name)
+            why = mod.unavailable(q, plan, **opts)
+            if why is None:
+                break
+            reasons.append(f"{name}: {why}")
+        else:
+            raise RuntimeError("no backend can run this call: " + "; ".join(reasons))
+    else:
+        mod = backends.load(backend)
+        why = mod.unavailable(q, plan, **opts)
+        if why is not None:
+            raise RuntimeError(f"backend={backend!r} cannot run this call: {why}")
+    out, lse = mod.forward(q, k, v, plan, **opts)
+    return (out, lse) if return_lse else out

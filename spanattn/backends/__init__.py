@@ -1,0 +1,19 @@
+"""Backends: each lowers a Plan's intervals its own way. A registry maps names to modules
+that are imported only when chosen, so optional dependencies stay optional."""
+
+from __future__ import annotations
+
+import importlib
+
+BACKENDS = {
+    "reference": "spanattn.backends.reference",
+    "sdpa": "spanattn.backends.sdpa",
+}
+
+
+def load(name: str):
+    """The module of backend ``name``; it exposes ``unavailable(q, plan, **opts) -> str | None``
+    (why it cannot run this call) and ``forward(q, k, v, plan, **opts) -> (out, lse)``."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {name!r}")
+    return importlib.import_module(BACKENDS[name])

@@ -1,0 +1,136 @@
+"""Plan: a step's intervals plus the packing every backend needs. Built once per step and
+layer kind, reused by every layer of that kind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .intervals import compute_intervals, dense_from_intervals
+from .spec import Batch, LayerMask
+
+
+@dataclass(eq=False)
+class Plan:
+    """The mask of one step as intervals, packed like flash-attention's varlen API.
+
+    lo, hi: int32 ``[total_q]``, inclusive key positions local to each query's sequence.
+    cu_seqlens_q, cu_seqlens_k: int32 ``[num_seqs + 1]`` offsets into packed q and k/v.
+    seq_lens: int32 ``[num_seqs]`` keys per sequence (``seqused_k`` for a paged cache).
+    """
+
+    batch: Batch
+    layer: LayerMask
+    lo: torch.Tensor
+    hi: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    seq_lens: torch.Tensor
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lo.device
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.batch)
+
+    @property
+    def total_q(self) -> int:
+        return self.batch.total_q
+
+    @property
+    def total_k(self) -> int:
+        return self.batch.total_k
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return max(s.q_len for s in self.batch.seqs)
+
+    @property
+    def max_seqlen_k(self) -> int:
+        return max(s.kv_len for s in self.batch.seqs)
+
+    def cached(self, key, build: Callable[[], Any]):
+        """Derived tables (tile lists, block masks) are built once per plan and kept here."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def seq_slice(self, i: int) -> slice:
+        """Rows of sequence ``i`` in the packed query tensors."""
+        start = sum(s.q_len for s in self.batch.seqs[:i])
+        return slice(start, start + self.batch.seqs[i].q_len)
+
+    def to_dense(self, i: int) -> torch.Tensor:
+        """Boolean ``[q_len, kv_len]`` mask of sequence ``i`` (True = attend)."""
+        rows = self.seq_slice(i)
+        return dense_from_intervals(self.lo[rows], self.hi[rows], self.batch.seqs[i].kv_len)
+
+    def allowed_pairs(self) -> int:
+        """Allowed (query, key) pairs of the step; FLOPs are ``4 * D * Hq`` times this."""
+        return int((self.hi.long() - self.lo.long() + 1).sum())
+
+    def density(self) -> float:
+        """Allowed pairs over all ``q_len * kv_len`` pairs."""
+        return self.allowed_pairs() / sum(s.q_len * s.kv_len for s in self.batch.seqs)
+
+    def describe(self) -> str:
+        """A few lines per sequence: lengths, flags, spans and how much of the mask is allowed."""
+        lo, hi = self.lo.cpu(), self.hi.cpu()
+        w = self.layer.window
+        lines = [
+            f"Plan: {self.num_seqs} seqs, {self.total_q} queries, {self.total_k} keys, "
+            f"window={w}, spans={self.layer.spans!r}, device={self.device}",
+            f"  allowed pairs {self.allowed_pairs():,} (density {self.density():.3f})",
+        ]
+        for i, s in enumerate(self.batch.seqs):
+            r = self.seq_slice(i)
+            spans = ", ".join(f"[{a},{b}]" for a, b in s.spans) or "-"
+            lines.append(
+                f"  seq {i}: q {s.q_len} of kv {s.kv_len} (ctx {s.ctx}), "
+                f"{'causal' if s.causal else 'non-causal'}, spans {spans}, "
+                f"first row [{int(lo[r.start])},{int(hi[r.start])}], "
+                f"last row [{int(lo[r.stop - 1])},{int(hi[r.stop - 1])}]"
+            )
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"Plan(num_seqs={self.num_seqs}, total_q={self.total_q}, total_k={self.total_k}, "
+            f"layer={self.layer!r}, device={str(self.device)!r})"
+        )
+
+
+def plan(batch: Batch, layer: LayerMask, device="cpu") -> Plan:
+    """Compute the intervals and packing of one step for one kind of layer.
+
+    >>> import spanattn as sa
+    >>> p = sa.plan(sa.Batch([sa.Seq(q_len=4, spans=[(1, 2)])]), sa.LayerMask(window=2))
+    >>> p.lo.tolist(), p.hi.tolist()
+    ([0, 0, 1, 2], [0, 2, 2, 3])
+    """
+    if not isinstance(batch, Batch):
+        raise TypeError(f"plan(batch=...) must be a spanattn.Batch, got {type(batch).__name__}")
+    if not isinstance(layer, LayerMask):
+        raise TypeError(f"plan(layer=...) must be a spanattn.LayerMask, got {type(layer).__name__}")
+    device = torch.device(device)
+    lo, hi = compute_intervals(batch, layer, device)
+    q_lens = [s.q_len for s in batch.seqs]
+    kv_lens = [s.kv_len for s in batch.seqs]
+    offsets = torch.tensor(
+        [[0, 0]] + [[a, b] for a, b in zip(q_lens, kv_lens)], dtype=torch.int32
+    ).cumsum(0, dtype=torch.int32)
+    offsets = offsets.to(device, non_blocking=True)
+    return Plan(
+        batch=batch,
+        layer=layer,
+        lo=lo,
+        hi=hi,
+        cu_seqlens_q=offsets[:, 0].contiguous(),
+        cu_seqlens_k=offsets[:, 1].contiguous(),
+        seq_lens=torch.tensor(kv_lens, dtype=torch.int32).to(device, non_blocking=True),
+    )

@@ -1,0 +1,102 @@
+"""Where spans come from (an engine's placeholders, transformers' token types) and the
+scheduler's side of them (chunk ends that cut no span)."""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+NON_SPAN_MODALITIES = ("audio",)
+
+
+def _runs(flags: Sequence[bool], offset: int = 0) -> list[tuple[int, int]]:
+    """Inclusive ``(start, end)`` of every maximal run of True, shifted by ``offset``."""
+    runs, start = [], None
+    for i, f in enumerate(flags):
+        if f and start is None:
+            start = i
+        elif not f and start is not None:
+            runs.append((offset + start, offset + i - 1))
+            start = None
+    if start is not None:
+        runs.append((offset + start, offset + len(flags) - 1))
+    return runs
+
+
+def spans_from_placeholders(placeholders: Iterable) -> list[tuple[int, int]]:
+    """Spans from an engine's multimodal placeholders.
+
+    Each placeholder is ``(offset, length)`` or ``(offset, length, is_embed, modality)`` where
+    ``is_embed`` (bool sequence of ``length`` or None) marks the tokens that carry embeddings:
+    each contiguous run of them is one span (separator tokens break an item into runs).
+    Audio never forms spans: it is attended causally.
+
+    >>> spans_from_placeholders([(5, 4), (20, 6, [0, 1, 1, 0, 1, 1], "image"), (40, 8, None, "audio")])
+    [(5, 8), (21, 22), (24, 25)]
+    """
+    spans = []
+    for ph in placeholders:
+        offset, length, is_embed, modality = (tuple(ph) + (None, "image"))[:4]
+        if offset < 0 or length < 0:
+            raise ValueError(f"placeholder {tuple(ph)!r}: offset and length must be >= 0")
+        if modality in NON_SPAN_MODALITIES or length == 0:
+            continue
+        if is_embed is None:
+            spans.append((offset, offset + length - 1))
+            continue
+        flags = [bool(f) for f in (is_embed.tolist() if torch.is_tensor(is_embed) else is_embed)]
+        if len(flags) != length:
+            raise ValueError(f"placeholder at {offset}: is_embed has {len(flags)} entries, length is {length}")
+        spans.extend(_runs(flags, offset))
+    return sorted(spans)
+
+
+def spans_from_token_types(token_type_ids, vision_types: Sequence[int] = (1,)):
+    """Spans as maximal runs of vision tokens, like transformers' Gemma 3/4 mask grouping.
+
+    ``token_type_ids`` is 1-D (one sequence: a list of spans) or 2-D (a batch: a list of lists).
+    Gemma 3 uses ``vision_types=(1,)``; Gemma 4's ``mm_token_type_ids`` uses ``(1, 2)``.
+
+    >>> spans_from_token_types([0, 1, 1, 0, 2, 1, 0], vision_types=(1, 2))
+    [(1, 2), (4, 5)]
+    """
+    ids = torch.as_tensor(token_type_ids)
+    if ids.dim() == 2:
+        return [spans_from_token_types(row, vision_types) for row in ids]
+    if ids.dim() != 1:
+        raise ValueError(f"token_type_ids must be 1-D or 2-D, got shape {tuple(ids.shape)}")
+    is_vision = torch.isin(ids, torch.as_tensor(list(vision_types), dtype=ids.dtype))
+    return _runs(is_vision.tolist())
+
+
+def drop_wide_spans(spans: Iterable[tuple[int, int]], window: int | None) -> list[tuple[int, int]]:
+    """vLLM's former policy, kept for parity: spans longer than the window are dropped, so
+    their tokens fall back to plain causal attention."""
+    if window is None:
+        return list(spans)
+    return [(s, e) for s, e in spans if e - s + 1 <= window]
+
+
+def max_chunk_end(spans: Iterable[tuple[int, int]], start: int, budget: int) -> int:
+    """The largest exclusive chunk end in ``(start, start + budget]`` that cuts no span.
+
+    A chunk ``[start, end)`` cuts span ``[s, e]`` when ``s < end <= e``. If every end in range
+    cuts one (a span longer than the budget starts at or holds ``start``), the smallest end past
+    that span is returned so the scheduler still makes progress; it exceeds the budget.
+
+    >>> max_chunk_end([(100, 1219)], start=0, budget=512)
+    100
+    >>> max_chunk_end([(100, 1219)], start=100, budget=512)
+    1220
+    """
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    end = start + budget
+    for s, e in sorted(spans):
+        if s < end <= e:
+            end = s if s > start else e + 1
+            break
+    return end
