@@ -1,0 +1,62 @@
+"""The standard steps of DESIGN.md section 5, shared by the benchmark, the demo and the tests so
+that every number compares with ANCHORS.md. ``scale`` shrinks token counts for CPU runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .spec import Batch, LayerMask, Seq
+
+HQ, HKV = 16, 8
+
+
+@dataclass(frozen=True)
+class Scenario:
+    id: str
+    what: str
+    batch: Batch
+    layer: LayerMask
+    head_dims: tuple[int, ...]
+    page_size: int | None = None  # paged decode scenarios read K/V through a block table
+
+    @property
+    def decode(self) -> bool:
+        return self.page_size is not None
+
+
+def even_spans(n_tokens: int, n_spans: int, span_len: int) -> list[tuple[int, int]]:
+    """Span i starts at ``200 + i * ((n_tokens - 200) // n_spans)`` (DESIGN.md section 5)."""
+    step = (n_tokens - 200) // n_spans
+    return [(200 + i * step, 200 + i * step + span_len - 1) for i in range(n_spans)]
+
+
+def _lens(seed: int, n: int, low: int, high: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high + 1, (n,), generator=g).tolist()
+
+
+def scenarios(scale: int = 1) -> dict[str, Scenario]:
+    """All standard scenarios; token counts divided by ``scale`` (1 = the real sizes)."""
+    n = 32768 // scale
+    img = even_spans(n, 16, 1120 // scale)
+    w = max(1, 1024 // scale)
+    s3 = []
+    for kv in _lens(1, 8, 3000 // scale, 8191 // scale):
+        spans = [(s, s + 280 // scale - 1) for s in range(200 // scale, kv, max(1, 900 // scale))]
+        s3.append(Seq(q_len=min(kv, 2048 // scale), kv_len=kv, spans=[sp for sp in spans if sp[1] < kv]))
+    s4 = [Seq(q_len=2048 // scale, kv_len=4096 // scale) for _ in range(4)]
+    s4 += [Seq(q_len=256 // scale, kv_len=4096 // scale, causal=False) for _ in range(4)]
+    d1 = [Seq(q_len=1, kv_len=kv) for kv in _lens(2, 64, 4096 // scale, 32768 // scale)]
+    out = [
+        Scenario("S0", "plain causal", Batch([Seq(n)]), LayerMask(spans="off"), (128, 256)),
+        Scenario("S1", "Gemma 4 sliding layer", Batch([Seq(n, spans=img)]),
+                 LayerMask(window=w, spans="clamp"), (128, 256)),
+        Scenario("S2", "global layer, spans on", Batch([Seq(n, spans=img)]), LayerMask(spans="on"), (128, 256)),
+        Scenario("S3", "mixed chunked batch", Batch(s3), LayerMask(window=w, spans="clamp"), (256,)),
+        Scenario("S4", "dynamic causal", Batch(s4), LayerMask(spans="off"), (128,)),
+        Scenario("S5", "Gemma 4 global, d512", Batch([Seq(n)]), LayerMask(spans="off"), (512,)),
+        Scenario("D1", "paged decode", Batch(d1), LayerMask(spans="off"), (128, 256), page_size=16),
+    ]
+    return {s.id: s for s in out}
