@@ -24,7 +24,9 @@ def _check(q, k, v, plan: Plan) -> None:
         if t.dtype not in DTYPES:
             raise TypeError(f"{name}.dtype must be one of float16/bfloat16/float32, got {t.dtype}")
         if t.device != plan.device:
-            raise ValueError(f"{name} is on {t.device} but the plan is on {plan.device}; plan on the same device")
+            raise ValueError(
+                f"{name} is on {t.device} but the plan is on {plan.device}; plan on the same device"
+            )
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[0] != plan.total_q:
@@ -41,8 +43,17 @@ def _check(q, k, v, plan: Plan) -> None:
         raise ValueError(f"q, k, v must share head_dim, got {q.shape[2]}, {k.shape[2]}, {v.shape[2]}")
 
 
-def attention(q, k, v, plan: Plan, *, backend: str = "auto", scale: float | None = None,
-              softcap: float | None = None, return_lse: bool = False):
+def attention(
+    q,
+    k,
+    v,
+    plan: Plan,
+    *,
+    backend: str = "auto",
+    scale: float | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+):
     """Attention of packed varlen ``q [total_q, Hq, D]`` over ``k, v [total_k, Hkv, D]`` under the
     plan's mask. Returns ``out [total_q, Hq, D]`` (q's dtype), and with ``return_lse=True`` also
     ``lse [total_q, Hq]`` (fp32, natural log of the softmax denominator, scale applied).

@@ -3,8 +3,9 @@ layer kind, reused by every layer of that kind."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -121,9 +122,9 @@ def plan(batch: Batch, layer: LayerMask, device="cpu") -> Plan:
     lo, hi = compute_intervals(batch, layer, device)
     q_lens = [s.q_len for s in batch.seqs]
     kv_lens = [s.kv_len for s in batch.seqs]
-    offsets = torch.tensor(
-        [[0, 0]] + [[a, b] for a, b in zip(q_lens, kv_lens)], dtype=torch.int32
-    ).cumsum(0, dtype=torch.int32)
+    offsets = torch.tensor([[0, 0]] + [[a, b] for a, b in zip(q_lens, kv_lens)], dtype=torch.int32).cumsum(
+        0, dtype=torch.int32
+    )
     offsets = offsets.to(device, non_blocking=True)
     return Plan(
         batch=batch,

@@ -51,9 +51,16 @@ def scenarios(scale: int = 1) -> dict[str, Scenario]:
     d1 = [Seq(q_len=1, kv_len=kv) for kv in _lens(2, 64, 4096 // scale, 32768 // scale)]
     out = [
         Scenario("S0", "plain causal", Batch([Seq(n)]), LayerMask(spans="off"), (128, 256)),
-        Scenario("S1", "Gemma 4 sliding layer", Batch([Seq(n, spans=img)]),
-                 LayerMask(window=w, spans="clamp"), (128, 256)),
-        Scenario("S2", "global layer, spans on", Batch([Seq(n, spans=img)]), LayerMask(spans="on"), (128, 256)),
+        Scenario(
+            "S1",
+            "Gemma 4 sliding layer",
+            Batch([Seq(n, spans=img)]),
+            LayerMask(window=w, spans="clamp"),
+            (128, 256),
+        ),
+        Scenario(
+            "S2", "global layer, spans on", Batch([Seq(n, spans=img)]), LayerMask(spans="on"), (128, 256)
+        ),
         Scenario("S3", "mixed chunked batch", Batch(s3), LayerMask(window=w, spans="clamp"), (256,)),
         Scenario("S4", "dynamic causal", Batch(s4), LayerMask(spans="off"), (128,)),
         Scenario("S5", "Gemma 4 global, d512", Batch([Seq(n)]), LayerMask(spans="off"), (512,)),

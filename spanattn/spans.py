@@ -3,7 +3,7 @@ scheduler's side of them (chunk ends that cut no span)."""
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -47,7 +47,9 @@ def spans_from_placeholders(placeholders: Iterable) -> list[tuple[int, int]]:
             continue
         flags = [bool(f) for f in (is_embed.tolist() if torch.is_tensor(is_embed) else is_embed)]
         if len(flags) != length:
-            raise ValueError(f"placeholder at {offset}: is_embed has {len(flags)} entries, length is {length}")
+            raise ValueError(
+                f"placeholder at {offset}: is_embed has {len(flags)} entries, length is {length}"
+            )
         spans.extend(_runs(flags, offset))
     return sorted(spans)
 

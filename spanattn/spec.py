@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 SPAN_MODES = ("off", "on", "clamp")
 NONCAUSAL_WINDOWS = ("exclusive", "inclusive")
