@@ -1,0 +1,288 @@
+"""Pictures of a Plan's mask: a PNG (``draw``) and a text drawing for small steps (``ascii``).
+
+Both read only the intervals ``lo/hi``, never a dense ``[q_len, kv_len]`` mask, so a 32k-token
+step is drawn as cheaply as a toy one: each pixel's colour is the exact fraction of its (query,
+key) pairs that are allowed, computed from the intervals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .intervals import compute_intervals
+
+MAX_PIXELS = 900  # image cells per axis; beyond this pixels cover several rows/keys exactly
+ASCII_MAX_KEYS, ASCII_MAX_ROWS = 120, 160
+MAX_DRAWN_SEQS = 8
+
+WHITE = (1.0, 1.0, 1.0)
+CAUSAL, NONCAUSAL, SPAN = (0.18, 0.36, 0.68), (0.15, 0.58, 0.35), (0.93, 0.51, 0.10)
+
+
+def _rows(plan, i: int, layer=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lo, hi`` (int64, CPU) of sequence ``i``; with ``layer`` recomputed under that policy."""
+    r = plan.seq_slice(i)
+    if layer is None:
+        return plan.lo[r].cpu().long(), plan.hi[r].cpu().long()
+    lo, hi = compute_intervals(plan.batch, layer, "cpu")
+    return lo[r].long(), hi[r].long()
+
+
+def coverage(lo, hi, kv_len: int, rows_per_px: int, keys_per_px: int) -> torch.Tensor:
+    """Fraction of allowed pairs in each ``rows_per_px x keys_per_px`` cell, from intervals only.
+
+    O(rows + cells): a row's interval fills the key cells strictly between its end cells
+    completely (added as a difference along each cell row, then a cumsum) and its two end cells
+    partly (added directly). No ``[q_len, kv_len]`` array is ever built.
+    """
+    r, c = rows_per_px, keys_per_px
+    n, n_cols = lo.numel(), -(-kv_len // c)
+    n_rows = -(-n // r)
+    row = (torch.arange(n) // r) * (n_cols + 1)  # flat offset of each query's cell row
+    jl, jh = lo // c, hi // c
+    same = jl == jh
+    full = torch.zeros(n_rows * (n_cols + 1), dtype=torch.int64)
+    full.index_add_(0, row + jl + 1, torch.where(same, 0, c))
+    full.index_add_(0, row + jh, torch.where(same, 0, -c))
+    ends = torch.zeros_like(full)
+    ends.index_add_(0, row + jl, torch.where(same, hi - lo + 1, (jl + 1) * c - lo))
+    ends.index_add_(0, row + jh, torch.where(same, 0, hi - jh * c + 1))
+    cnt = (full.view(n_rows, -1).cumsum(1) + ends.view(n_rows, -1))[:, :n_cols]
+    rows_in = torch.full((n_rows,), r)
+    rows_in[-1] = n - r * (n_rows - 1)
+    keys_in = torch.full((n_cols,), c)
+    keys_in[-1] = kv_len - c * (n_cols - 1)
+    return cnt.double() / (rows_in[:, None] * keys_in[None]).double()
+
+
+def _image(plan, i: int, max_pixels: int):
+    """RGBA image of sequence ``i`` plus the number of rows and keys per pixel.
+
+    Opacity is the allowed fraction, so span bands drawn underneath tint only masked pixels.
+    """
+    seq = plan.batch.seqs[i]
+    r = -(-seq.q_len // max_pixels)
+    c = -(-seq.kv_len // max_pixels)
+    total = coverage(*_rows(plan, i), seq.kv_len, r, c)
+    base_layer = dataclasses.replace(plan.layer, spans="off")
+    base = coverage(*_rows(plan, i, base_layer), seq.kv_len, r, c)
+    base_rgb = torch.tensor(CAUSAL if seq.causal else NONCAUSAL, dtype=torch.float64)
+    span_rgb = torch.tensor(SPAN, dtype=torch.float64)
+    # colour by what allowed the pairs: the window/causal rule or only the span
+    share = (base / total.clamp_min(1e-9))[..., None]
+    rgb = share * base_rgb + (1 - share) * span_rgb
+    return torch.cat([rgb, total[..., None]], dim=-1).clamp(0, 1).numpy(), r, c
+
+
+def _seq_title(plan, i: int, r: int, c: int) -> str:
+    seq = plan.batch.seqs[i]
+    role = (
+        "canvas" if not seq.causal else "decode row" if seq.q_len == 1 else "chunk" if seq.ctx else "prefill"
+    )
+    rows = plan.seq_slice(i)
+    pairs = int((plan.hi[rows].long() - plan.lo[rows].long() + 1).sum())
+    text = (
+        f"seq {i} ({role}): q_len {seq.q_len} of kv_len {seq.kv_len}, ctx {seq.ctx}, "
+        f"{'causal' if seq.causal else 'NON-CAUSAL'}, {pairs:,} allowed pairs"
+    )
+    return text + ("" if r == c == 1 else f"   [1 px = {r}x{c} pairs, opacity = allowed fraction]")
+
+
+def _draw_seq(ax, plan, i: int, max_pixels: int) -> None:
+    from matplotlib.patches import Rectangle
+    from matplotlib.transforms import blended_transform_factory
+
+    seq, w = plan.batch.seqs[i], plan.layer.window
+    ctx, kv = seq.ctx, seq.kv_len
+    img, r, c = _image(plan, i, max_pixels)
+    extent = (-0.5, img.shape[1] * c - 0.5, ctx + img.shape[0] * r - 0.5, ctx - 0.5)
+    ax.imshow(img, extent=extent, aspect="auto", interpolation="nearest", zorder=2)
+    ax.set_xlim(-0.5, kv - 0.5)
+    ax.set_ylim(kv - 0.5, ctx - 0.5)
+    top = blended_transform_factory(ax.transData, ax.transAxes)
+    right = blended_transform_factory(ax.transAxes, ax.transData)
+    spans = [sp for sp in seq.spans if sp[0] < kv]
+    for n, (s, e) in enumerate(spans):
+        e_in = min(e, kv - 1)
+        # full labels only where they fit; crowded spans get their index
+        long = (e_in - s + 1) / kv > 0.012 * (len(str(s)) + len(str(e)) + 10)
+        ax.axvspan(s - 0.5, e_in + 0.5, color=SPAN, alpha=0.15, lw=0, zorder=1)
+        ax.text(
+            (s + e_in) / 2,
+            1.01,
+            f"image {n} [{s},{e}]" if long else str(n),
+            transform=top,
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            color="saddlebrown",
+        )
+        if e_in >= ctx:  # the span holds queries of this step: shade its rows and outline its block
+            y0 = max(s, ctx)
+            ax.axhspan(y0 - 0.5, e_in + 0.5, color=SPAN, alpha=0.15, lw=0, zorder=1)
+            ax.add_patch(
+                Rectangle(
+                    (s - 0.5, y0 - 0.5),
+                    e_in - s + 1,
+                    e_in - y0 + 1,
+                    fill=False,
+                    ec="saddlebrown",
+                    ls="--",
+                    lw=1.2,
+                    zorder=3,
+                )
+            )
+            tall = (e_in - y0 + 1) / (kv - ctx) > 0.15
+            ax.text(
+                1.005,
+                (y0 + e_in) / 2,
+                f"image {n}" if tall else str(n),
+                transform=right,
+                va="center",
+                fontsize=8,
+                color="saddlebrown",
+                rotation=90 if tall else 0,
+            )
+    if w is not None:  # left edge of the window (k = q - W + 1); right edge too for non-causal rows
+        ys = [ctx - 0.5, kv - 0.5]
+        ax.plot([y - w + 1 for y in ys], ys, color="crimson", ls=":", lw=1.5, zorder=3)
+        ax.text(
+            ctx - w + 0.5,
+            ctx - 0.5,
+            f"W={w} ",
+            color="crimson",
+            fontsize=8,
+            ha="right",
+            va="top",
+            zorder=3,
+            clip_on=True,
+        )
+        if not seq.causal:
+            right_edge = w - 1 + (plan.layer.noncausal_window == "inclusive")
+            ax.plot([y + right_edge for y in ys], ys, color="crimson", ls=":", lw=1.5, zorder=3)
+    if ctx > 0:  # chunk boundary: keys left of it are in the cache, queries start there
+        ax.axvline(ctx - 0.5, color="black", lw=1.4, zorder=3)
+        ha = "right" if ctx > 0.75 * kv else "left"
+        ax.text(
+            ctx - 0.5,
+            0.03,
+            f" cached keys < ctx={ctx} " if ha == "right" else f" ctx={ctx}: chunk ",
+            transform=top,
+            ha=ha,
+            va="bottom",
+            fontsize=7,
+            zorder=4,
+            bbox=dict(fc="white", ec="black", lw=0.5, pad=1.5),
+        )
+    if seq.q_len == 1:
+        ax.set_yticks([ctx])
+    ax.set_title(_seq_title(plan, i, r, c), fontsize=9, loc="left", pad=17 if spans else 6)
+    ax.set_ylabel("query (ctx + i)", fontsize=8)
+    ax.tick_params(labelsize=8)
+
+
+def draw(
+    plan, path, seq: int | None = None, title: str | None = None, max_pixels: int = MAX_PIXELS, dpi: int = 110
+) -> str:
+    """Write a PNG of the allowed (query, key) pairs of every sequence (or only ``seq``).
+
+    Rows are queries at absolute positions, columns keys. Blue/green: allowed by the causal or
+    non-causal base rule (with the window); orange: allowed only through a span; white: masked.
+    Dashed boxes outline spans, the dotted red line is the window edge, the black line is the
+    chunk boundary ``ctx``. Returns ``path``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    ids = list(range(plan.num_seqs)) if seq is None else [seq]
+    for i in ids:
+        if not 0 <= i < plan.num_seqs:
+            raise ValueError(f"seq must be in [0, {plan.num_seqs}), got {i}")
+    more = len(ids) - MAX_DRAWN_SEQS
+    ids = ids[:MAX_DRAWN_SEQS]
+    seqs = [plan.batch.seqs[i] for i in ids]
+    heights = [min(6.0, max(0.45, 7.5 * s.q_len / s.kv_len)) for s in seqs]
+    fig, axes = plt.subplots(
+        len(ids),
+        1,
+        figsize=(10, sum(heights) + 0.9 * len(ids) + 1.4),
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
+    )
+    for ax, i in zip(axes[:, 0], ids):
+        _draw_seq(ax, plan, i, max_pixels)
+    axes[-1, 0].set_xlabel("key position", fontsize=9)
+    layer = plan.layer
+    head = title or "spanattn mask"
+    sub = f"window={layer.window}, spans={layer.spans!r}" + (
+        f", non-causal window {layer.noncausal_window}" if any(not s.causal for s in seqs) else ""
+    )
+    if more > 0:
+        sub += f"  (first {MAX_DRAWN_SEQS} of {plan.num_seqs} sequences)"
+    fig.suptitle(f"{head}\nlayer: {sub}", fontsize=11)
+    legend = [
+        Patch(color=CAUSAL, label="allowed: causal (+window)"),
+        Patch(color=NONCAUSAL, label="allowed: non-causal (+window)"),
+        Patch(color=SPAN, label="allowed only via image span"),
+        Patch(fc="white", ec="gray", label="masked"),
+        Line2D([], [], color="crimson", ls=":", label="window edge"),
+        Line2D([], [], color="black", label="chunk boundary (ctx)"),
+    ]
+    fig.legend(handles=legend, loc="lower center", ncol=6, fontsize=7.5, frameon=False)
+    fig.tight_layout(rect=(0, 0.035, 1, 1))
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return str(path)
+
+
+def ascii(plan, seq: int = 0, max_keys: int = ASCII_MAX_KEYS, max_rows: int = ASCII_MAX_ROWS) -> str:
+    """Text drawing of sequence ``seq``: ``#`` allowed, ``.`` masked, one row per query.
+
+    Header lines: key positions (mod 10), ``c`` under cached keys (before ``ctx``), and span
+    letters ``a, b, ...`` under each span's keys; the same letter follows a query's position
+    when it lies in that span.
+
+    >>> import spanattn as sa
+    >>> p = sa.plan(sa.Batch([sa.Seq(q_len=3, kv_len=5, spans=[(2, 3)])]), sa.LayerMask(window=2))
+    >>> print(ascii(p))
+    seq 0: q_len 3 of kv_len 5 (ctx 2), causal; layer window=2, spans='on'
+     key 01234
+     ctx cc
+    span   aa
+      2a .###.
+      3a ..##.
+      4  ...##
+    """
+    if not 0 <= seq < plan.num_seqs:
+        raise ValueError(f"seq must be in [0, {plan.num_seqs}), got {seq}")
+    s = plan.batch.seqs[seq]
+    if s.kv_len > max_keys or s.q_len > max_rows:
+        raise ValueError(
+            f"ascii() draws at most {max_rows} queries x {max_keys} keys; seq {seq} has "
+            f"q_len {s.q_len} x kv_len {s.kv_len}: use spanattn.viz.draw() for a PNG"
+        )
+    lo, hi = _rows(plan, seq)
+    letters = [" "] * s.kv_len
+    for n, (a, e) in enumerate(s.spans):
+        for k in range(a, min(e, s.kv_len - 1) + 1):
+            letters[k] = chr(ord("a") + n % 26)
+    width = max(4, len(str(s.kv_len - 1)) + 1)
+    lines = [
+        f"seq {seq}: q_len {s.q_len} of kv_len {s.kv_len} (ctx {s.ctx}), "
+        f"{'causal' if s.causal else 'non-causal'}; layer window={plan.layer.window}, "
+        f"spans={plan.layer.spans!r}",
+        "key".rjust(width) + " " + "".join(str(k % 10) for k in range(s.kv_len)),
+        "ctx".rjust(width) + " " + "c" * s.ctx,
+        "span".rjust(width) + " " + "".join(letters).rstrip(),
+    ]
+    for i in range(s.q_len):
+        q = s.ctx + i
+        row = "".join("#" if lo[i] <= k <= hi[i] else "." for k in range(s.kv_len))
+        lines.append(f"{q:>{width - 1}}{letters[q]} {row}")
+    return "\n".join(line.rstrip() for line in lines)
