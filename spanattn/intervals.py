@@ -51,7 +51,8 @@ def compute_intervals(batch: Batch, layer: LayerMask, device="cpu") -> tuple[tor
         lo = past.clamp_min(0)
         hi = torch.where(row_causal, q, torch.minimum(q + w - (0 if wide else 1), last))
 
-    spans = [(i, s, e) for i, seq in enumerate(batch.seqs) for s, e in seq.spans]
+    # Spans starting past the chunk belong to later chunks: no query of this step is inside them.
+    spans = [(i, s, e) for i, seq in enumerate(batch.seqs) for s, e in seq.spans if s < seq.kv_len]
     if layer.spans != "off" and spans:
         sp = torch.tensor(spans, dtype=torch.int64).to(device, non_blocking=True)
         # Spans are sorted per sequence and disjoint, so the span that may hold q is the last one

@@ -1,0 +1,57 @@
+"""Hypothesis strategies for random steps, shared by every test that checks a layout."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+import spanattn as sa
+
+TILE_EDGES = (16, 32, 64, 128)
+
+
+@st.composite
+def spans_in(draw, length: int, max_spans: int = 4):
+    """Disjoint spans inside ``[0, length)``, some starting or ending on tile edges."""
+    spans, pos = [], 0
+    for _ in range(draw(st.integers(0, max_spans))):
+        if pos >= length:
+            break
+        edge = draw(st.sampled_from(TILE_EDGES))
+        start = draw(
+            st.one_of(st.integers(pos, length - 1), st.just(min(length - 1, -(-pos // edge) * edge)))
+        )
+        end = draw(
+            st.one_of(
+                st.integers(start, min(length - 1, start + 300)), st.just(min(length - 1, start + edge - 1))
+            )
+        )
+        spans.append((start, end))
+        pos = end + 1 + draw(st.integers(0, 40))
+    return spans
+
+
+@st.composite
+def seqs(draw, max_len: int = 600):
+    """One sequence: a chunk of ``q_len`` queries at the end of ``kv_len`` keys, whose end cuts
+    no span (spans that would be cut are moved into a longer prompt)."""
+    kv_len = draw(st.integers(1, max_len))
+    q_len = draw(st.one_of(st.integers(1, kv_len), st.just(1), st.just(kv_len)))
+    spans = draw(spans_in(kv_len + draw(st.integers(0, 50))))
+    spans = [(s, e) for s, e in spans if e < kv_len or s >= kv_len]
+    prompt_len = max([kv_len] + [e + 1 for _, e in spans])
+    return sa.Seq(q_len=q_len, kv_len=kv_len, spans=spans, causal=draw(st.booleans()), prompt_len=prompt_len)
+
+
+@st.composite
+def layers(draw, max_window: int = 600):
+    window = draw(st.one_of(st.none(), st.integers(1, max_window), st.sampled_from([1, 2, 16, 64])))
+    return sa.LayerMask(
+        window=window,
+        spans=draw(st.sampled_from(["off", "on", "clamp"])),
+        noncausal_window=draw(st.sampled_from(["exclusive", "inclusive"])),
+    )
+
+
+@st.composite
+def batches(draw, max_seqs: int = 4, max_len: int = 600):
+    return sa.Batch(draw(st.lists(seqs(max_len), min_size=1, max_size=max_seqs)))

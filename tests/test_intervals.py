@@ -1,0 +1,124 @@
+"""The interval form against a brute-force per-pair predicate written here from DESIGN.md
+section 1, independently of spanattn/intervals.py."""
+
+import torch
+from hypothesis import given, settings
+from strategies import batches, layers
+
+import spanattn as sa
+
+
+def allowed(q, k, kv_len, causal, spans, window, mode, noncausal_window):
+    """DESIGN.md's predicate, pair by pair."""
+    if not 0 <= k < kv_len:
+        return False
+    past = window is None or q - k < window
+    if causal:
+        base = k <= q and past
+    elif window is None:
+        base = True
+    elif noncausal_window == "exclusive":
+        base = abs(q - k) < window
+    else:
+        base = abs(q - k) <= window
+    span = mode != "off" and any(s <= q <= e and s <= k <= e and (mode != "clamp" or past) for s, e in spans)
+    return base or span
+
+
+def brute_mask(seq, layer):
+    ctx = seq.kv_len - seq.q_len
+    return torch.tensor(
+        [
+            [
+                allowed(
+                    ctx + i,
+                    k,
+                    seq.kv_len,
+                    seq.causal,
+                    seq.spans,
+                    layer.window,
+                    layer.spans,
+                    layer.noncausal_window,
+                )
+                for k in range(seq.kv_len)
+            ]
+            for i in range(seq.q_len)
+        ],
+        dtype=torch.bool,
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(batch=batches(max_len=200), layer=layers(max_window=220))
+def test_plan_equals_brute_force(batch, layer):
+    p = sa.plan(batch, layer)
+    for i, seq in enumerate(batch.seqs):
+        assert torch.equal(p.to_dense(i), brute_mask(seq, layer)), (i, seq, layer)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=batches(max_len=600), layer=layers())
+def test_plan_long_sequences(batch, layer):
+    p = sa.plan(batch, layer)
+    for i, seq in enumerate(batch.seqs):
+        assert torch.equal(p.to_dense(i), brute_mask(seq, layer))
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=batches(max_len=300), layer=layers(max_window=300))
+def test_rows_never_empty_and_hold_the_diagonal(batch, layer):
+    p = sa.plan(batch, layer)
+    ctx = torch.cat([torch.arange(s.ctx, s.kv_len) for s in batch.seqs]).to(torch.int32)
+    assert torch.all(p.lo <= ctx) and torch.all(ctx <= p.hi)
+    assert torch.all(p.lo >= 0)
+    last = torch.cat([torch.full((s.q_len,), s.kv_len - 1) for s in batch.seqs]).to(torch.int32)
+    assert torch.all(p.hi <= last)
+
+
+def test_image_wider_than_window_in_each_mode():
+    seq = sa.Seq(q_len=40, spans=[(5, 24)])
+    expect = {  # (lo, hi) of query 20 (inside the 20-token image) with W=4
+        "off": (17, 20),
+        "on": (5, 24),
+        "clamp": (17, 24),
+    }
+    for mode, (lo, hi) in expect.items():
+        p = sa.plan(sa.Batch([seq]), sa.LayerMask(window=4, spans=mode))
+        assert (int(p.lo[20]), int(p.hi[20])) == (lo, hi), mode
+
+
+def test_text_after_image_sees_it_causally_within_window():
+    p = sa.plan(sa.Batch([sa.Seq(q_len=40, spans=[(5, 24)])]), sa.LayerMask(window=8, spans="on"))
+    assert (int(p.lo[30]), int(p.hi[30])) == (23, 30)
+
+
+def test_query_offset_is_absolute_and_spans_are_not_rebased():
+    # a 10-token chunk at positions 20..29 of a prompt whose image is 15..27
+    p = sa.plan(sa.Batch([sa.Seq(q_len=10, kv_len=30, spans=[(15, 27)])]), sa.LayerMask(window=4))
+    assert p.lo.tolist() == [15] * 8 + [25, 26]
+    assert p.hi.tolist() == [27] * 8 + [28, 29]
+
+
+def test_decode_row_and_prefix_hit_mid_span():
+    p = sa.plan(
+        sa.Batch([sa.Seq(q_len=1, kv_len=731), sa.Seq(q_len=5, kv_len=12, spans=[(3, 9)])]),
+        sa.LayerMask(window=100),
+    )
+    assert (int(p.lo[0]), int(p.hi[0])) == (631, 730)
+    assert p.lo[1:].tolist() == [0, 0, 0, 0, 0] and p.hi[1:].tolist() == [9, 9, 9, 10, 11]
+
+
+def test_split_span_capped_when_allowed():
+    seq = sa.Seq(q_len=4, kv_len=10, spans=[(6, 12)], prompt_len=20)
+    p = sa.plan(sa.Batch([seq], allow_split_spans=True), sa.LayerMask())
+    assert p.lo.tolist() == [0, 0, 0, 0] and p.hi.tolist() == [9, 9, 9, 9]
+
+
+def test_plan_packing():
+    b = sa.Batch([sa.Seq(q_len=3, kv_len=5), sa.Seq(q_len=1, kv_len=7), sa.Seq(q_len=2, causal=False)])
+    p = sa.plan(b, sa.LayerMask())
+    assert p.cu_seqlens_q.tolist() == [0, 3, 4, 6] and p.cu_seqlens_k.tolist() == [0, 5, 12, 14]
+    assert p.seq_lens.tolist() == [5, 7, 2] and p.cu_seqlens_q.dtype == torch.int32
+    assert p.lo.dtype == torch.int32 and p.hi.dtype == torch.int32
+    assert p.allowed_pairs() == (3 + 4 + 5) + 7 + 4
+    assert "non-causal" in p.describe() and "num_seqs=3" in repr(p)
