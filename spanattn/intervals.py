@@ -34,11 +34,14 @@ def compute_intervals(batch: Batch, layer: LayerMask, device="cpu") -> tuple[tor
     total_q = batch.total_q
     meta = seq_metadata(batch, device)
     q_len, kv_len, causal = meta["q_len"], meta["kv_len"], meta["causal"]
-    seq_id = torch.repeat_interleave(torch.arange(len(batch), device=device), q_len, output_size=total_q)
-    cu_q = torch.cumsum(q_len, 0) - q_len
-    q = torch.arange(total_q, device=device) - cu_q[seq_id] + (kv_len - q_len)[seq_id]
-    last = kv_len[seq_id] - 1
-    row_causal = causal[seq_id]
+    ends = torch.cumsum(q_len, 0)
+    token = torch.arange(total_q, device=device)
+    # searchsorted instead of repeat_interleave: the latter costs ~20 ms on CPU whatever the size
+    seq_id = torch.searchsorted(ends, token, right=True)
+    per_row = lambda t: t.index_select(0, seq_id)  # index_select: advanced indexing is slower
+    q = token + per_row(kv_len - ends)
+    last = per_row(kv_len) - 1
+    row_causal = per_row(causal)
 
     w = layer.window
     big = int(max(s.kv_len for s in batch.seqs)) + 1
@@ -60,8 +63,8 @@ def compute_intervals(batch: Batch, layer: LayerMask, device="cpu") -> tuple[tor
         starts = sp[:, 0] * big + sp[:, 1]
         j = torch.searchsorted(starts, seq_id * big + q, right=True) - 1
         jc = j.clamp_min(0)
-        inside = (j >= 0) & (sp[jc, 0] == seq_id) & (q <= sp[jc, 2])
-        s, e = sp[jc, 1], sp[jc, 2]
+        span_seq, s, e = (sp[:, c].contiguous().index_select(0, jc) for c in range(3))
+        inside = (j >= 0) & (span_seq == seq_id) & (q <= e)
         span_hi = torch.minimum(e, last)
         if layer.spans == "on" or w is None:
             span_lo = s
