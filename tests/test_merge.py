@@ -1,0 +1,70 @@
+"""merge_attention_states: merging attention over two disjoint key sets equals attention over
+their union; empty parts (LSE = -inf) never make NaN."""
+
+import pytest
+import torch
+
+import spanattn as sa
+
+INF = float("inf")
+
+
+def _attend_all(q, k, v, scale):
+    """Every query sees every key: a non-causal sequence with no window (one sequence per query
+    when there are fewer keys than queries, since a plan needs q_len <= kv_len)."""
+    if q.shape[0] > k.shape[0]:
+        outs = [_attend_all(q[i : i + 1], k, v, scale) for i in range(q.shape[0])]
+        return torch.cat([o for o, _ in outs]), torch.cat([lse for _, lse in outs])
+    p = sa.plan(sa.Batch([sa.Seq(q_len=q.shape[0], kv_len=k.shape[0], causal=False)]), sa.LayerMask())
+    return sa.attention(q, k, v, p, backend="reference", scale=scale, return_lse=True)
+
+
+@pytest.mark.parametrize("split", [1, 20, 49])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_merge_equals_union(split, dtype):
+    g = torch.Generator().manual_seed(split)
+    q, k, v = (torch.randn(n, h, 16, generator=g).to(dtype) for n, h in ((5, 4), (50, 2), (50, 2)))
+    full, full_lse = _attend_all(q, k, v, 0.3)
+    oa, la = _attend_all(q, k[:split], v[:split], 0.3)
+    ob, lb = _attend_all(q, k[split:], v[split:], 0.3)
+    out, lse = sa.merge_attention_states(oa, la, ob, lb)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3  # fp16: the parts were rounded to fp16
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out, full, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, full_lse.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_empty_parts():
+    o = torch.randn(3, 2, 8)
+    lse = torch.randn(3, 2)
+    empty = torch.full((3, 2), -INF)
+    out, l2 = sa.merge_attention_states(o, lse, torch.full_like(o, 7.0), empty)
+    torch.testing.assert_close(out, o)
+    torch.testing.assert_close(l2, lse)
+    out, l2 = sa.merge_attention_states(torch.full_like(o, 7.0), empty, o, lse)
+    torch.testing.assert_close(out, o)
+    out, l2 = sa.merge_attention_states(o, empty, o, empty)
+    assert not out.isnan().any() and (out == 0).all() and torch.isneginf(l2).all()
+
+
+def test_half_inputs_and_large_lse():
+    o = torch.randn(4, 2, 8).half()
+    lse = torch.tensor([[1e4, -1e4]] * 4)
+    out, l2 = sa.merge_attention_states(o, lse, o, lse)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out, o)
+    torch.testing.assert_close(l2, lse + torch.log(torch.tensor(2.0)))
+
+
+def test_errors_name_the_argument():
+    o, lse = torch.randn(3, 2, 8), torch.randn(3, 2)
+    with pytest.raises(ValueError, match="out_b"):
+        sa.merge_attention_states(o, lse, o[:2], lse)
+    with pytest.raises(ValueError, match="lse_b"):
+        sa.merge_attention_states(o, lse, o, lse[:, :1])
+    with pytest.raises(TypeError, match="lse_a"):
+        sa.merge_attention_states(o, lse.long(), o, lse)
+    with pytest.raises(TypeError, match="out_b"):
+        sa.merge_attention_states(o, lse, o.half(), lse)
+    with pytest.raises(ValueError, match="out_a"):
+        sa.merge_attention_states(o[0], lse, o, lse)
