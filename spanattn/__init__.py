@@ -2,6 +2,8 @@
 multimodal spans and per-sequence causal flags in one batch."""
 
 from .api import attention
+from .cache import write_kv_cache
+from .merge import merge_attention_states
 from .plan import Plan, plan
 from .spans import drop_wide_spans, max_chunk_end, spans_from_placeholders, spans_from_token_types
 from .spec import Batch, LayerMask, Seq
@@ -14,7 +16,9 @@ __all__ = [
     "attention",
     "drop_wide_spans",
     "max_chunk_end",
+    "merge_attention_states",
     "plan",
     "spans_from_placeholders",
     "spans_from_token_types",
+    "write_kv_cache",
 ]

@@ -2,24 +2,33 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
 
 from . import backends
+from .cache import check_paged
 from .plan import Plan
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 AUTO_ORDER = ("triton", "sdpa", "reference")
 
 
-def _check(q, k, v, plan: Plan) -> None:
+def _check(q, k, v, plan: Plan, block_table=None) -> None:
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a spanattn.Plan (from spanattn.plan), got {type(plan).__name__}")
+    paged = block_table is not None
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not torch.is_tensor(t):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
+        if paged and name != "q":
+            if t.dim() != 4:
+                raise ValueError(
+                    f"{name} must be a paged cache [num_blocks, block_size, kv_heads, head_dim] "
+                    f"with a block_table, got shape {tuple(t.shape)}"
+                )
+        elif t.dim() != 3:
             raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
         if t.dtype not in DTYPES:
             raise TypeError(f"{name}.dtype must be one of float16/bfloat16/float32, got {t.dtype}")
@@ -31,16 +40,25 @@ def _check(q, k, v, plan: Plan) -> None:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[0] != plan.total_q:
         raise ValueError(f"q has {q.shape[0]} tokens but the plan packs {plan.total_q} queries")
-    if k.shape[0] != plan.total_k or v.shape[0] != plan.total_k:
+    if paged:
+        check_paged(k, v, block_table, plan, names=("k", "v"))
+    elif k.shape[0] != plan.total_k or v.shape[0] != plan.total_k:
         raise ValueError(
             f"k and v must have the plan's {plan.total_k} packed keys, got {k.shape[0]} and {v.shape[0]}"
         )
-    if k.shape[1] != v.shape[1]:
-        raise ValueError(f"k and v must have the same number of heads, got {k.shape[1]} and {v.shape[1]}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]}) for GQA")
-    if q.shape[2] != k.shape[2] or v.shape[2] != k.shape[2]:
-        raise ValueError(f"q, k, v must share head_dim, got {q.shape[2]}, {k.shape[2]}, {v.shape[2]}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"k and v must have the same number of heads, got {k.shape[-2]} and {v.shape[-2]}")
+    if q.shape[1] % k.shape[-2]:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[-2]}) for GQA")
+    if q.shape[2] != k.shape[-1] or v.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q, k, v must share head_dim, got {q.shape[2]}, {k.shape[-1]}, {v.shape[-1]}")
+
+
+def _unavailable(mod, q, plan: Plan, opts: dict) -> str | None:
+    # A backend takes a paged cache only if its forward has a block_table parameter.
+    if "block_table" in opts and "block_table" not in inspect.signature(mod.forward).parameters:
+        return "it reads only packed K/V, not a paged cache (block_table)"
+    return mod.unavailable(q, plan, **opts)
 
 
 def attention(
@@ -49,6 +67,7 @@ def attention(
     v,
     plan: Plan,
     *,
+    block_table=None,
     backend: str = "auto",
     scale: float | None = None,
     softcap: float | None = None,
@@ -57,6 +76,12 @@ def attention(
     """Attention of packed varlen ``q [total_q, Hq, D]`` over ``k, v [total_k, Hkv, D]`` under the
     plan's mask. Returns ``out [total_q, Hq, D]`` (q's dtype), and with ``return_lse=True`` also
     ``lse [total_q, Hq]`` (fp32, natural log of the softmax denominator, scale applied).
+
+    block_table: int32 ``[num_seqs, max_blocks]``; then ``k, v`` are paged caches
+        ``[num_blocks, block_size, Hkv, D]`` (block_size 16, 32, 64, 128 or 256) and key ``pos``
+        of sequence ``r`` (its first ``kv_len`` in the plan) sits at block
+        ``block_table[r, pos // block_size]``, offset ``pos % block_size``. Write the step's new
+        keys first (:func:`spanattn.write_kv_cache`).
 
     backend: ``"auto"`` takes the first that can run this call of triton (CUDA), sdpa, reference;
         a backend named explicitly runs or raises, never falls back.
@@ -68,18 +93,20 @@ def attention(
     >>> sa.attention(q, k, v, p).shape
     torch.Size([3, 2, 16])
     """
-    _check(q, k, v, plan)
+    _check(q, k, v, plan, block_table)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     opts = {"scale": scale, "softcap": softcap, "return_lse": return_lse}
+    if block_table is not None:
+        opts["block_table"] = block_table
     if backend == "auto":
         reasons = []
         for name in AUTO_ORDER:
             if name not in backends.BACKENDS:
                 continue
             mod = backends.load(name)
-            why = mod.unavailable(q, plan, **opts)
+            why = _unavailable(mod, q, plan, opts)
             if why is None:
                 break
             reasons.append(f"{name}: {why}")
@@ -87,7 +114,7 @@ def attention(
             raise RuntimeError("no backend can run this call: " + "; ".join(reasons))
     else:
         mod = backends.load(backend)
-        why = mod.unavailable(q, plan, **opts)
+        why = _unavailable(mod, q, plan, opts)
         if why is not None:
             raise RuntimeError(f"backend={backend!r} cannot run this call: {why}")
     out, lse = mod.forward(q, k, v, plan, **opts)

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import torch
 
+from ..cache import gather_kv
+
 
 def unavailable(q, plan, **opts) -> str | None:
     return None
 
 
-def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False, compute_dtype=torch.float32):
+def forward(
+    q, k, v, plan, *, scale, softcap=None, return_lse=False, block_table=None, compute_dtype=torch.float32
+):
+    if block_table is not None:  # paged: copy the pages out into packed K/V
+        k, v = gather_kv(k, v, block_table, plan)
     hq, hkv = q.shape[1], k.shape[1]
     out = torch.empty(q.shape[0], hq, v.shape[2], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[0], hq, dtype=torch.float32, device=q.device) if return_lse else None

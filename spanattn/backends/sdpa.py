@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..cache import gather_kv
+
 
 def unavailable(q, plan, *, softcap=None, **opts) -> str | None:
     if softcap:
@@ -13,7 +15,9 @@ def unavailable(q, plan, *, softcap=None, **opts) -> str | None:
     return None
 
 
-def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
+def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False, block_table=None):
+    if block_table is not None:  # paged: copy the pages out into packed K/V
+        k, v = gather_kv(k, v, block_table, plan)
     hq, hkv = q.shape[1], k.shape[1]
     out = torch.empty(q.shape[0], hq, v.shape[2], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[0], hq, dtype=torch.float32, device=q.device) if return_lse else None

@@ -1,0 +1,161 @@
+"""The paged KV cache: writing a step's new keys and values into it, the slots of a step, and
+gathering pages back into packed K/V for backends that read only contiguous tensors.
+
+Layout (vLLM's and FlashInfer's NHD): ``k_cache, v_cache [num_blocks, block_size, Hkv, D]``;
+``block_table [num_seqs, max_blocks]`` int32 lists each sequence's blocks in key order; key
+``pos`` of sequence ``r`` lives at flat slot ``block_table[r, pos // block_size] * block_size +
+pos % block_size``. Every function here is vectorized on the device and reads lengths from the
+plan's host-side batch, so none of them synchronizes with the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .plan import Plan
+
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+
+
+def check_paged(k_cache, v_cache, block_table, plan: Plan, *, names=("k_cache", "v_cache")) -> None:
+    """Shapes, dtypes and devices of a paged cache and its table against the plan (host only)."""
+    kn, vn = names
+    for name, t in ((kn, k_cache), (vn, v_cache)):
+        if not torch.is_tensor(t):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be [num_blocks, block_size, kv_heads, head_dim] with a block_table, "
+                f"got shape {tuple(t.shape)}"
+            )
+        if t.device != plan.device:
+            raise ValueError(f"{name} is on {t.device} but the plan is on {plan.device}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"{kn} and {vn} must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    block_size = k_cache.shape[1]
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"{kn}.shape[1] (block_size) must be one of {BLOCK_SIZES}, got {block_size}")
+    if not torch.is_tensor(block_table):
+        raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != plan.num_seqs:
+        raise ValueError(
+            f"block_table must be [num_seqs={plan.num_seqs}, max_blocks], "
+            f"got shape {tuple(block_table.shape)}"
+        )
+    if block_table.device != plan.device:
+        raise ValueError(f"block_table is on {block_table.device} but the plan is on {plan.device}")
+    need = -(-plan.max_seqlen_k // block_size)
+    if block_table.shape[1] < need:
+        worst = max(range(plan.num_seqs), key=lambda i: plan.batch.seqs[i].kv_len)
+        raise ValueError(
+            f"block_table has {block_table.shape[1]} blocks per sequence but sequence {worst} has kv_len "
+            f"{plan.batch.seqs[worst].kv_len}, which needs {need} blocks of {block_size}"
+        )
+
+
+def _positions(plan: Plan, new_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence id, key position) of every packed key, or of this step's new keys only."""
+    dev = plan.device
+    n = plan.num_seqs
+    if new_only:
+        count, total, cu = plan.cu_seqlens_q.diff(), plan.total_q, plan.cu_seqlens_q
+    else:
+        count, total, cu = plan.seq_lens, plan.total_k, plan.cu_seqlens_k
+    seq_id = torch.repeat_interleave(torch.arange(n, device=dev), count.long(), output_size=total)
+    pos = torch.arange(total, device=dev) - cu[seq_id].long()
+    if new_only:  # the new tokens are the last q_len keys of each sequence
+        pos = pos + (plan.seq_lens - plan.cu_seqlens_q.diff()).long()[seq_id]
+    return seq_id, pos
+
+
+def _slots(block_table, block_size: int, seq_id, pos) -> torch.Tensor:
+    return block_table[seq_id, pos // block_size].long() * block_size + pos % block_size
+
+
+def slot_mapping(plan: Plan, block_table, block_size: int) -> torch.Tensor:
+    """int64 ``[total_q]`` cache slots of this step's new tokens (the last ``q_len`` keys of each
+    sequence), to pass to :func:`write_kv_cache` before attention."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if block_table.dim() != 2 or block_table.shape[0] != plan.num_seqs:
+        raise ValueError(
+            f"block_table must be [num_seqs={plan.num_seqs}, max_blocks], got {tuple(block_table.shape)}"
+        )
+    if block_table.shape[1] * block_size < plan.max_seqlen_k:
+        raise ValueError(
+            f"block_table holds {block_table.shape[1] * block_size} keys per sequence, "
+            f"the plan needs {plan.max_seqlen_k}"
+        )
+    return _slots(block_table.to(plan.device), block_size, *_positions(plan, new_only=True))
+
+
+def gather_kv(k_cache, v_cache, block_table, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed ``k, v [total_k, Hkv, D]`` (the varlen layout) copied out of the pages."""
+    check_paged(k_cache, v_cache, block_table, plan)
+    slots = _slots(block_table, k_cache.shape[1], *_positions(plan, new_only=False))
+    flat = (-1, *k_cache.shape[2:])
+    return k_cache.reshape(flat)[slots], v_cache.reshape(flat)[slots]
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_slots: bool | None = None) -> None:
+    """Write this step's ``k, v [tokens, Hkv, D]`` into ``k_cache, v_cache [num_blocks,
+    block_size, Hkv, D]`` in place, row ``t`` at flat slot ``slot_mapping[t]``; negative slots are
+    skipped (padding tokens, as in vLLM).
+
+    check_slots: verify every slot is ``< num_blocks * block_size``. It reads the slots on the
+        host, a GPU sync, so the default does it except on CUDA while a graph is being captured.
+    """
+    for name, t in (
+        ("k", k),
+        ("v", v),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("slot_mapping", slot_mapping),
+    ):
+        if not torch.is_tensor(t):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != k_cache.device:
+            raise ValueError(f"{name} is on {t.device} but k_cache is on {k_cache.device}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must be one shape [num_blocks, block_size, kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if t.dim() != 3 or t.shape[1:] != cache.shape[2:]:
+            raise ValueError(
+                f"{name} must be [tokens, {cache.shape[2]}, {cache.shape[3]}] to match the cache, "
+                f"got {tuple(t.shape)}"
+            )
+        if t.dtype != cache.dtype:
+            raise TypeError(f"{name}.dtype ({t.dtype}) must match the cache's ({cache.dtype})")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"k and v must have the same tokens, got {k.shape[0]} and {v.shape[0]}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(f"slot_mapping must be [tokens={k.shape[0]}], got shape {tuple(slot_mapping.shape)}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if check_slots is None:
+        check_slots = not (k_cache.is_cuda and torch.cuda.is_current_stream_capturing())
+    if check_slots and k.shape[0] and int(slot_mapping.max()) >= num_slots:
+        bad = int(slot_mapping.argmax())
+        raise IndexError(
+            f"slot_mapping[{bad}] = {int(slot_mapping[bad])} is out of range for a cache of "
+            f"{k_cache.shape[0]} blocks x {k_cache.shape[1]} = {num_slots} slots"
+        )
+    if k_cache.is_cuda:
+        from .backends.triton.cache_write import write_kv_cache_triton
+
+        write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+        return
+    # Off the GPU a boolean mask costs nothing; on it, the Triton kernel skips padding without
+    # a sync and without racing on a dummy slot.
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(num_slots, *k_cache.shape[2:])[slots] = k[keep]
+    v_cache.view(num_slots, *v_cache.shape[2:])[slots] = v[keep]
