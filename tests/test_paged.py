@@ -1,0 +1,142 @@
+"""Paged attention and the split-KV decode kernel against fp64 truth on K/V gathered from the pages.
+
+Every cache slot that no sequence owns (other blocks, the tail of each last page) holds NaN, and
+outputs are poisoned with NaN before the kernel runs: a read outside a sequence's keys or a row
+left unwritten shows up as NaN. The Triton kernel runs under TRITON_INTERPRET=1 without a GPU.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before triton is imported anywhere
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from tolerance import assert_close_to_truth  # noqa: E402
+
+import spanattn as sa  # noqa: E402
+from spanattn.cache import gather_kv, slot_mapping  # noqa: E402
+
+triton = pytest.importorskip("triton")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def paged_step(batch, layer, hq, hkv, d, block_size, dtype, seed=0, width=None, num_blocks=None):
+    """A plan, q, and NaN-filled caches holding each sequence's keys in shuffled blocks."""
+    g = torch.Generator().manual_seed(seed)
+    p = sa.plan(batch, layer, device=DEV)
+    need = [-(-s.kv_len // block_size) for s in batch.seqs]
+    width = width or max(need) + 1  # spare columns: must never be read
+    num_blocks = num_blocks or sum(need) + 3
+    ids = torch.randperm(num_blocks, generator=g)
+    bt = torch.empty(len(need), width, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(need):
+        bt[i, :n] = ids[used : used + n]
+        bt[i, n:] = ids[-1]  # an unowned block, all NaN
+        used += n
+    bt = bt.to(DEV)
+    kc = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype, device=DEV)
+    vc = torch.full_like(kc, float("nan"))
+    # write every key through the cache writer: a "prefill" plan whose new tokens are all keys
+    full = sa.plan(sa.Batch([sa.Seq(q_len=s.kv_len) for s in batch.seqs]), sa.LayerMask(), device=DEV)
+    k = torch.randn(p.total_k, hkv, d, generator=g).to(dtype).to(DEV)
+    v = torch.randn(p.total_k, hkv, d, generator=g).to(dtype).to(DEV)
+    sa.write_kv_cache(k, v, kc, vc, slot_mapping(full, bt, block_size))
+    q = torch.randn(p.total_q, hq, d, generator=g).to(dtype).to(DEV)
+    return p, q, k, v, kc, vc, bt
+
+
+DECODE = sa.Batch(
+    [
+        sa.Seq(q_len=1, kv_len=97),  # last page partly filled
+        sa.Seq(q_len=4, kv_len=64, spans=[(40, 62)]),  # speculative block inside an image
+        sa.Seq(q_len=1, kv_len=1),
+        sa.Seq(q_len=3, kv_len=50, causal=False),  # a diffusion canvas
+    ]
+)
+
+
+@pytest.mark.parametrize(
+    "block_size, dtype, layer, hq, hkv, split_keys, softcap",
+    [
+        (16, torch.float16, sa.LayerMask(spans="on"), 4, 2, 10**9, None),
+        (32, torch.float16, sa.LayerMask(window=24, spans="clamp"), 4, 1, 32, None),
+        (16, torch.float32, sa.LayerMask(window=40, spans="on"), 2, 2, None, 3.0),
+    ],
+)
+def test_decode_kernel_paged(block_size, dtype, layer, hq, hkv, split_keys, softcap):
+    from spanattn.backends.triton.decode import decode_forward
+
+    p, q, k, v, kc, vc, bt = paged_step(DECODE, layer, hq, hkv, 32, block_size, dtype)
+    out = torch.full_like(q, float("nan"))
+    out, lse = decode_forward(
+        q,
+        kc,
+        vc,
+        p,
+        scale=0.2,
+        softcap=softcap,
+        return_lse=True,
+        block_table=bt,
+        split_keys=split_keys,
+        out=out,
+    )
+    opts = {"softcap": softcap} if softcap else {}
+    assert_close_to_truth(out.cpu(), lse.cpu(), *(t.cpu() for t in (q, k, v)), _cpu(p), scale=0.2, **opts)
+
+
+def test_decode_kernel_packed_kv():
+    from spanattn.backends.triton.decode import decode_forward
+
+    p, q, k, v, *_ = paged_step(DECODE, sa.LayerMask(window=30, spans="on"), 4, 2, 24, 16, torch.float16)
+    out, lse = decode_forward(q, k, v, p, scale=0.3, return_lse=True, split_keys=16)
+    assert_close_to_truth(out.cpu(), lse.cpu(), *(t.cpu() for t in (q, k, v)), _cpu(p), scale=0.3)
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_dense_backends_paged_equal_packed(backend):
+    p, q, k, v, kc, vc, bt = paged_step(
+        DECODE, sa.LayerMask(window=20, spans="clamp"), 4, 2, 16, 16, torch.float32
+    )
+    paged = sa.attention(q, kc, vc, p, block_table=bt, backend=backend, return_lse=True)
+    packed = sa.attention(q, k, v, p, backend=backend, return_lse=True)
+    assert torch.equal(paged[0], packed[0]) and torch.equal(paged[1], packed[1])
+    kg, vg = gather_kv(kc, vc, bt, p)
+    assert torch.equal(kg, k) and torch.equal(vg, v)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replays_new_steps():
+    from spanattn.backends.triton.decode import decode_forward
+
+    def step(seed):
+        b = sa.Batch([sa.Seq(q_len=1, kv_len=300 + 97 * seed), sa.Seq(q_len=1, kv_len=1000 - 50 * seed)])
+        return paged_step(b, sa.LayerMask(), 8, 2, 64, 16, torch.float16, seed=seed, width=70, num_blocks=150)
+
+    p0, q0, _, _, kc0, vc0, bt0 = step(0)
+    static = dict(
+        q=q0.clone(), kc=kc0.clone(), vc=vc0.clone(), bt=bt0.clone(), lo=p0.lo.clone(), hi=p0.hi.clone()
+    )
+    p0.lo, p0.hi, p0.seq_lens = static["lo"], static["hi"], p0.seq_lens.clone()
+    run = lambda: decode_forward(
+        static["q"], static["kc"], static["vc"], p0, scale=0.125, block_table=static["bt"]
+    )
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = run()
+    for seed in (1, 2):
+        p, q, k, v, kc, vc, bt = step(seed)
+        for name, new in (("q", q), ("kc", kc), ("vc", vc), ("bt", bt), ("lo", p.lo), ("hi", p.hi)):
+            static[name].copy_(new)
+        p0.seq_lens.copy_(p.seq_lens)
+        graph.replay()
+        want = sa.attention(q, kc, vc, p, block_table=bt, backend="reference")
+        torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3)
+
+
+def _cpu(p):
+    return p if p.device.type == "cpu" else sa.plan(p.batch, p.layer)
