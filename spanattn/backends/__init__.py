@@ -8,6 +8,7 @@ import importlib
 BACKENDS = {
     "reference": "spanattn.backends.reference",
     "sdpa": "spanattn.backends.sdpa",
+    "flex": "spanattn.backends.flex",
 }
 
 

@@ -1,0 +1,121 @@
+"""FlexAttention lowering: the packed varlen step as ONE sequence of ``total_q`` queries by
+``total_k`` keys, ``mask_mod = alo[q_idx] <= kv_idx <= ahi[q_idx]`` (packed intervals, two
+compares) and a BlockMask made directly from the plan's tile tables with
+``BlockMask.from_kv_blocks`` (never ``create_block_mask``, which evaluates the mask on every pair).
+
+Execution: CUDA runs ``torch.compile(..., dynamic=True)`` of one function that builds the
+BlockMask and calls ``flex_attention``; everything that changes per step (q/k/v, intervals,
+tables) is a tensor argument of that function, so a new step is new data, not new code.
+Where it still recompiles: a new head_dim, dtype, GQA ratio, scale, softcap or ``return_lse``
+(all fixed per model), and whatever shape specializations the installed torch's flex lowering
+keeps (older versions specialize on whether the lengths are multiples of the block size; the
+bench's recompile probe reports what the GPU's torch does). CPU runs flex's eager path, which
+materializes the scores and evaluates ``mask_mod`` densely (it ignores the block tables).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from ..tiles import packed_intervals, tile_tables
+
+BLOCK_M = BLOCK_N = 128  # flex's sparse block size; its kernel tiles divide it
+
+
+def unavailable(q, plan, **opts) -> str | None:
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+    except ImportError:
+        return f"torch {torch.__version__} has no FlexAttention (needs torch >= 2.5)"
+    if q.device.type not in ("cuda", "cpu"):
+        return f"flex backend runs on cuda or cpu, not {q.device.type}"
+    d = q.shape[-1]
+    if q.is_cuda and d > 256:
+        # head_dim 512 needs more shared memory than Hopper has (ANCHORS.md, S5)
+        return f"compiled FlexAttention does not fit head_dim {d} > 256 in shared memory"
+    if d < 16 or d & (d - 1):
+        return f"FlexAttention needs a power-of-two head_dim >= 16, got {d}"
+    return None
+
+
+def prepare(plan) -> None:
+    """Build what a step needs once per plan (cached on it): packed intervals and tile tables."""
+    packed_intervals(plan)
+    tile_tables(plan, BLOCK_M, BLOCK_N)
+
+
+@functools.cache
+def _from_kv_blocks_extra() -> dict:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    # Forward only: skip building the transposed (q-block) tables where torch allows it.
+    params = inspect.signature(BlockMask.from_kv_blocks).parameters
+    return {"compute_q_blocks": False} if "compute_q_blocks" in params else {}
+
+
+def _flex_step(q, k, v, alo, ahi, kv_num, kv_idx, full_num, full_idx, scale, softcap, return_lse):
+    """q ``[1, Hq, total_q, D]``, k/v ``[1, Hkv, total_k, D]``; tables ``[num_q_blocks(, n)]``."""
+    from torch.nn.attention import flex_attention as fa
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx >= alo[q_idx]) & (kv_idx <= ahi[q_idx])
+
+    score_mod = None
+    if softcap is not None:
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return softcap * torch.tanh(score / softcap)
+
+    block_mask = fa.BlockMask.from_kv_blocks(
+        kv_num[None, None],
+        kv_idx[None, None],
+        full_num[None, None],
+        full_idx[None, None],
+        BLOCK_SIZE=(BLOCK_M, BLOCK_N),
+        mask_mod=mask_mod,
+        seq_lengths=(q.shape[2], k.shape[2]),
+        **_from_kv_blocks_extra(),
+    )
+    kw = {"score_mod": score_mod, "block_mask": block_mask, "scale": scale, "enable_gqa": True}
+    if not return_lse:
+        return fa.flex_attention(q, k, v, **kw), None
+    if hasattr(fa, "AuxRequest"):  # return_lse is deprecated from torch 2.9
+        out, aux = fa.flex_attention(q, k, v, return_aux=fa.AuxRequest(lse=True), **kw)
+        return out, aux.lse
+    return fa.flex_attention(q, k, v, return_lse=True, **kw)
+
+
+@functools.cache
+def _compiled():
+    return torch.compile(_flex_step, dynamic=True)
+
+
+def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
+    alo, ahi = packed_intervals(plan)
+    t = tile_tables(plan, BLOCK_M, BLOCK_N)
+    step, dtype = (_compiled(), q.dtype) if q.is_cuda else (_flex_step, torch.float32)
+    # CPU: flex's eager math runs in the input dtype (bf16 scores and probabilities, ~8x the
+    # reference's error), so it gets float32 inputs like the reference; it is the slow path anyway.
+    # [tokens, H, D] -> [1, H, tokens, D] views; flex keeps q's stride order for its output,
+    # so transposing back gives a contiguous [total_q, Hq, D] without a copy.
+    out, lse = step(
+        q.to(dtype).transpose(0, 1)[None],
+        k.to(dtype).transpose(0, 1)[None],
+        v.to(dtype).transpose(0, 1)[None],
+        alo,
+        ahi,
+        t.kv_num_blocks,
+        t.kv_indices,
+        t.full_kv_num_blocks,
+        t.full_kv_indices,
+        scale,
+        softcap,
+        return_lse,
+    )
+    out = out[0].transpose(0, 1).to(q.dtype)
+    if lse is not None:
+        lse = lse[0].transpose(0, 1).float().contiguous()  # natural log, scale applied, like flex
+    return out, lse

@@ -1,0 +1,124 @@
+"""Tile tables: which KV blocks each query block visits, and which of them need no mask.
+
+The whole step is seen as ONE packed sequence of ``total_q`` queries by ``total_k`` keys, the
+layout FlexAttention's ``BlockMask`` describes: query ``r`` of sequence ``i`` may see packed keys
+``[lo[r] + cu_seqlens_k[i], hi[r] + cu_seqlens_k[i]]``. Query blocks may straddle sequences (a
+decode batch puts many sequences in one block), so a block's KV blocks need not be one range;
+the tables are built on a grid of blocks instead, never on pairs:
+
+- a row touches KV blocks ``[alo // BLOCK_N, ahi // BLOCK_N]``;
+- a row covers KV blocks ``[ceil(alo / BLOCK_N), (ahi + 1) // BLOCK_N - 1]`` entirely;
+- per query block, difference arrays over those ranges count the rows touching / covering each
+  KV block: FULL when all ``BLOCK_M`` rows cover it, PARTIAL when touched but not FULL.
+
+Blocks hanging over the end (``total_q`` or ``total_k`` not a multiple of the block) count their
+missing rows/columns as masked, as ``create_block_mask`` does, so they are never FULL and the
+kernel's ``mask_mod`` runs on them. Tables use flex's names and conventions: ``kv_num_blocks`` and
+``kv_indices`` list the PARTIAL blocks, ``full_kv_*`` the FULL ones; each index row holds the
+listed blocks in ascending order followed by the other blocks, ascending.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .plan import Plan
+
+
+@dataclass(frozen=True)
+class TileTables:
+    """Block-sparse tables of one step; int32, rows are query blocks."""
+
+    kv_num_blocks: torch.Tensor  # [num_q_blocks] partial blocks per query block
+    kv_indices: torch.Tensor  # [num_q_blocks, num_kv_blocks]
+    full_kv_num_blocks: torch.Tensor  # [num_q_blocks] full blocks per query block
+    full_kv_indices: torch.Tensor  # [num_q_blocks, num_kv_blocks]
+    BLOCK_M: int
+    BLOCK_N: int
+    q_len: int  # packed lengths the tables were built for
+    kv_len: int
+
+    def visited_blocks(self) -> int:
+        """KV blocks the kernel loads over all query blocks (partial + full)."""
+        return int(self.kv_num_blocks.sum() + self.full_kv_num_blocks.sum())
+
+
+def packed_intervals(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lo, hi`` moved into packed key coordinates (int32 ``[total_q]``), cached on the plan.
+
+    With these a mask over the packed batch is two compares, ``alo[q] <= kv <= ahi[q]``: every
+    interval lies inside its own sequence's keys, so no sequence-id check is needed.
+    """
+
+    def build():
+        q_lens = plan.cu_seqlens_q[1:] - plan.cu_seqlens_q[:-1]
+        seq_id = torch.repeat_interleave(
+            torch.arange(plan.num_seqs, device=plan.device), q_lens, output_size=plan.total_q
+        )
+        offset = plan.cu_seqlens_k[:-1][seq_id]
+        return (plan.lo + offset).to(torch.int32), (plan.hi + offset).to(torch.int32)
+
+    return plan.cached("packed_intervals", build)
+
+
+def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Boolean block grid -> (count per row, indices: the set blocks first, both parts ascending)."""
+    grid = blocks.to(torch.int32)
+    num = grid.sum(dim=-1, dtype=torch.int32)
+    # A stable descending sort of 0/1 keeps ascending order inside both groups.
+    indices = torch.argsort(grid, dim=-1, descending=True, stable=True).to(torch.int32)
+    return num, indices
+
+
+def _count_rows(starts, ends, weight, row_block, num_q_blocks, num_kv_blocks):
+    """Rows per (query block, KV block) whose range ``[start, end]`` includes that KV block.
+
+    Difference array: +weight at ``start``, -weight at ``end + 1``, prefix sum along KV blocks.
+    """
+    width = num_kv_blocks + 1
+    diff = torch.zeros(num_q_blocks * width, dtype=torch.int32, device=starts.device)
+    base = row_block * width
+    diff.index_add_(0, base + starts, weight)
+    diff.index_add_(0, base + ends + 1, -weight)
+    return diff.view(num_q_blocks, width).cumsum(dim=1, dtype=torch.int32)[:, :num_kv_blocks]
+
+
+def build_tile_tables(alo, ahi, kv_len: int, BLOCK_M: int = 128, BLOCK_N: int = 128) -> TileTables:
+    """Tables for packed intervals ``alo, ahi`` (int ``[q_len]``, inclusive) over ``kv_len`` keys.
+
+    Vectorized: O(q_len) scatter plus O(blocks) prefix sums and one sort per block row.
+    """
+    q_len = alo.shape[0]
+    num_q_blocks = -(-q_len // BLOCK_M)
+    num_kv_blocks = -(-kv_len // BLOCK_N)
+    alo, ahi = alo.long(), ahi.long()
+    row_block = torch.arange(q_len, device=alo.device) // BLOCK_M
+    ones = torch.ones(q_len, dtype=torch.int32, device=alo.device)
+
+    touching = _count_rows(alo // BLOCK_N, ahi // BLOCK_N, ones, row_block, num_q_blocks, num_kv_blocks)
+    first = (alo + BLOCK_N - 1) // BLOCK_N
+    last = (ahi + 1) // BLOCK_N - 1
+    # Rows that cover no whole block add nothing; their (last + 1) may precede first, harmlessly.
+    covering = _count_rows(
+        first, last, (first <= last).to(torch.int32), row_block, num_q_blocks, num_kv_blocks
+    )
+    full = covering == BLOCK_M  # a short last query block never reaches BLOCK_M
+    partial = (touching > 0) & ~full
+
+    kv_num_blocks, kv_indices = _ordered(partial)
+    full_kv_num_blocks, full_kv_indices = _ordered(full)
+    return TileTables(
+        kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, BLOCK_M, BLOCK_N, q_len, kv_len
+    )
+
+
+def tile_tables(plan: Plan, BLOCK_M: int = 128, BLOCK_N: int = 128) -> TileTables:
+    """The plan's packed tile tables, built once per plan and block shape."""
+
+    def build():
+        alo, ahi = packed_intervals(plan)
+        return build_tile_tables(alo, ahi, plan.total_k, BLOCK_M, BLOCK_N)
+
+    return plan.cached(("tile_tables", BLOCK_M, BLOCK_N), build)

@@ -1,0 +1,128 @@
+"""The flex backend on CPU against the fp64 reference, by the tolerance rule of DESIGN.md:
+``err(flex vs fp64) <= 2 * err(same-dtype reference vs fp64) + 1e-4``, NaN never passes.
+
+flex allocates its own output, so there is nothing to poison; a NaN or an unwritten row shows
+up as an error against the fp64 truth instead."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import batches, layers
+
+import spanattn as sa
+from spanattn.backends import flex, reference
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+def err(a, b) -> float:
+    d = (a.double() - b.double()).abs().max().item()
+    return float("inf") if d != d else d
+
+
+def within_rule(out, truth, ref_err) -> bool:
+    """The rule, plus one rounding step of the output dtype per element: on tiny steps the fp32
+    reference can round every element exactly like the truth (error ~0) while a kernel summing
+    in another order lands one bf16 ulp away."""
+    truth = truth.double()
+    ulp = torch.finfo(out.dtype).eps * torch.exp2(torch.floor(torch.log2(truth.abs().clamp_min(1e-30))))
+    diff = (out.double() - truth).abs()
+    return bool((diff <= 2 * ref_err + 1e-4 + ulp).all())  # NaN compares False
+
+
+def inputs(plan, hq, hkv, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(n, h, d, generator=g).to(dtype)
+        for n, h in ((plan.total_q, hq), (plan.total_k, hkv), (plan.total_k, hkv))
+    ]
+
+
+def check(plan, q, k, v, run, scale=0.2, softcap=None, lse=True):
+    out, lse_f = run(q, k, v, plan, scale=scale, softcap=softcap, return_lse=lse)
+    o64, l64 = reference.forward(
+        q, k, v, plan, scale=scale, softcap=softcap, return_lse=lse, compute_dtype=torch.float64
+    )
+    o_ref, l_ref = reference.forward(q, k, v, plan, scale=scale, softcap=softcap, return_lse=lse)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert within_rule(out, o64, err(o_ref, o64)), (err(out, o64), err(o_ref, o64))
+    if lse:
+        assert lse_f.shape == (plan.total_q, q.shape[1]) and lse_f.dtype == torch.float32
+        assert err(lse_f, l64) <= 2 * err(l_ref, l64) + 1e-4, (err(lse_f, l64), err(l_ref, l64))
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    batch=batches(max_seqs=3, max_len=300),
+    layer=layers(max_window=300),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    heads=st.sampled_from([(2, 2), (4, 1), (4, 2)]),
+)
+def test_random_layouts(batch, layer, dtype, heads):
+    plan = sa.plan(batch, layer)
+    check(plan, *inputs(plan, *heads, 32, dtype), flex.forward)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_step_softcap(softcap, dtype):
+    batch = sa.Batch(
+        [
+            sa.Seq(q_len=300, kv_len=700, spans=[(100, 250), (410, 611)]),  # chunk after an image
+            sa.Seq(q_len=1, kv_len=129),  # decode row
+            sa.Seq(200, causal=False),  # diffusion canvas
+        ]
+    )
+    plan = sa.plan(batch, sa.LayerMask(window=96, spans="clamp"))
+    check(plan, *inputs(plan, 4, 2, 64, dtype), flex.forward, softcap=softcap)
+
+
+def test_through_attention_api():
+    plan = sa.plan(sa.Batch([sa.Seq(130, spans=[(3, 80)]), sa.Seq(7)]), sa.LayerMask(window=16))
+    q, k, v = inputs(plan, 2, 1, 16, torch.float32)
+    out, lse = sa.attention(q, k, v, plan, backend="flex", return_lse=True)
+    o64, l64 = reference.forward(q, k, v, plan, scale=0.25, return_lse=True, compute_dtype=torch.float64)
+    assert err(out, o64) < 1e-5 and err(lse, l64) < 1e-5
+
+
+def test_unavailable_reasons():
+    plan = sa.plan(sa.Batch([sa.Seq(4)]), sa.LayerMask())
+    assert flex.unavailable(torch.zeros(4, 2, 64), plan) is None
+    assert "power-of-two" in flex.unavailable(torch.zeros(4, 2, 48), plan)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler")
+def test_compiled_cpu_uses_the_tables():
+    """Compiled flex (CPU) skips blocks by the tables, so wrong tables would show; and a new
+    step of other lengths reuses the compiled graph (dynamic shapes)."""
+    from torch._dynamo.utils import counters
+
+    step = torch.compile(flex._flex_step, dynamic=True)
+    graphs = None
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for n in (700, 1040):
+            batch = sa.Batch(
+                [sa.Seq(q_len=300, kv_len=n, spans=[(410, 611)]), sa.Seq(5), sa.Seq(140, causal=False)]
+            )
+            plan = sa.plan(batch, sa.LayerMask(window=100, spans="clamp"))
+            flex.prepare(plan)
+
+            def run(q, k, v, plan, scale, softcap, return_lse):
+                alo, ahi = flex.packed_intervals(plan)
+                t = flex.tile_tables(plan, flex.BLOCK_M, flex.BLOCK_N)
+                tables = (t.kv_num_blocks, t.kv_indices, t.full_kv_num_blocks, t.full_kv_indices)
+                q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))
+                out, _ = step(q4, k4, v4, alo, ahi, *tables, scale, softcap, False)
+                return out[0].transpose(0, 1), None
+
+            check(plan, *inputs(plan, 4, 2, 64, torch.float32), run, lse=False)
+            if graphs is None:
+                graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs, "a new step recompiled"
