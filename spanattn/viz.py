@@ -17,7 +17,6 @@ MAX_PIXELS = 900  # image cells per axis; beyond this pixels cover several rows/
 ASCII_MAX_KEYS, ASCII_MAX_ROWS = 120, 160
 MAX_DRAWN_SEQS = 8
 
-WHITE = (1.0, 1.0, 1.0)
 CAUSAL, NONCAUSAL, SPAN = (0.18, 0.36, 0.68), (0.15, 0.58, 0.35), (0.93, 0.51, 0.10)
 
 
@@ -76,156 +75,119 @@ def _image(plan, i: int, max_pixels: int):
     return torch.cat([rgb, total[..., None]], dim=-1).clamp(0, 1).numpy(), r, c
 
 
-def _seq_title(plan, i: int, r: int, c: int) -> str:
+def _seq_title(plan, i: int, r: int, c: int, label: str | None) -> str:
     seq = plan.batch.seqs[i]
     role = (
         "canvas" if not seq.causal else "decode row" if seq.q_len == 1 else "chunk" if seq.ctx else "prefill"
     )
     rows = plan.seq_slice(i)
     pairs = int((plan.hi[rows].long() - plan.lo[rows].long() + 1).sum())
+    head = (
+        f"{label} (window={plan.layer.window}, spans={plan.layer.spans!r}): seq {i}" if label else f"seq {i}"
+    )
     text = (
-        f"seq {i} ({role}): q_len {seq.q_len} of kv_len {seq.kv_len}, ctx {seq.ctx}, "
+        f"{head} ({role}): q_len {seq.q_len} of kv_len {seq.kv_len}, ctx {seq.ctx}, "
         f"{'causal' if seq.causal else 'NON-CAUSAL'}, {pairs:,} allowed pairs"
     )
     return text + ("" if r == c == 1 else f"   [1 px = {r}x{c} pairs, opacity = allowed fraction]")
 
 
-def _draw_seq(ax, plan, i: int, max_pixels: int) -> None:
+def _edge(ax, ctx: int, kv: int, offset: float) -> None:
+    """The window boundary ``k = q + offset`` (in cell edges): a staircase along the rows while
+    rows are wide enough to see, a straight line beyond that."""
+    if kv - ctx <= 2000:
+        ys = [y for q in range(ctx, kv) for y in (q - 0.5, q + 0.5)]
+        xs = [q + offset for q in range(ctx, kv) for _ in (0, 1)]
+    else:
+        ys, xs = [ctx - 0.5, kv - 0.5], [ctx + offset, kv + offset]
+    ax.plot(xs, ys, color="crimson", ls=":", lw=1.5, zorder=3)
+
+
+def _draw_spans(ax, seq) -> None:
+    """Spans shaded on both axes (under the mask, so only masked pairs are tinted), labelled,
+    and the block of each span that holds this step's queries outlined."""
     from matplotlib.patches import Rectangle
-    from matplotlib.transforms import blended_transform_factory
+    from matplotlib.transforms import blended_transform_factory as blend
+
+    ctx, kv = seq.ctx, seq.kv_len
+    style = dict(fontsize=8, color="saddlebrown")
+    for n, (s, e) in enumerate(sp for sp in seq.spans if sp[0] < kv):
+        e_in = min(e, kv - 1)
+        long = (e_in - s + 1) / kv > 0.012 * (len(str(s)) + len(str(e)) + 10)  # crowded: index only
+        ax.axvspan(s - 0.5, e_in + 0.5, color=SPAN, alpha=0.15, lw=0, zorder=1)
+        label = f"image {n} [{s},{e}]" if long else str(n)
+        ax.text((s + e_in) / 2, 1.01, label, transform=blend(ax.transData, ax.transAxes), ha="center",
+                va="bottom", **style)  # fmt: skip
+        if e_in < ctx:
+            continue
+        y0 = max(s, ctx)
+        ax.axhspan(y0 - 0.5, e_in + 0.5, color=SPAN, alpha=0.15, lw=0, zorder=1)
+        box = Rectangle((s - 0.5, y0 - 0.5), e_in - s + 1, e_in - y0 + 1, fill=False, ls="--", lw=1.2)
+        ax.add_patch(box).set(ec="saddlebrown", zorder=3)
+        tall = (e_in - y0 + 1) / (kv - ctx) > 0.15
+        ax.text(1.005, (y0 + e_in) / 2, f"image {n}" if tall else str(n), rotation=90 if tall else 0,
+                transform=blend(ax.transAxes, ax.transData), va="center", **style)  # fmt: skip
+
+
+def _draw_seq(ax, plan, i: int, max_pixels: int, label: str | None = None) -> None:
+    from matplotlib.transforms import blended_transform_factory as blend
 
     seq, w = plan.batch.seqs[i], plan.layer.window
     ctx, kv = seq.ctx, seq.kv_len
     img, r, c = _image(plan, i, max_pixels)
     extent = (-0.5, img.shape[1] * c - 0.5, ctx + img.shape[0] * r - 0.5, ctx - 0.5)
     ax.imshow(img, extent=extent, aspect="auto", interpolation="nearest", zorder=2)
-    ax.set_xlim(-0.5, kv - 0.5)
-    ax.set_ylim(kv - 0.5, ctx - 0.5)
-    top = blended_transform_factory(ax.transData, ax.transAxes)
-    right = blended_transform_factory(ax.transAxes, ax.transData)
-    spans = [sp for sp in seq.spans if sp[0] < kv]
-    for n, (s, e) in enumerate(spans):
-        e_in = min(e, kv - 1)
-        # full labels only where they fit; crowded spans get their index
-        long = (e_in - s + 1) / kv > 0.012 * (len(str(s)) + len(str(e)) + 10)
-        ax.axvspan(s - 0.5, e_in + 0.5, color=SPAN, alpha=0.15, lw=0, zorder=1)
-        ax.text(
-            (s + e_in) / 2,
-            1.01,
-            f"image {n} [{s},{e}]" if long else str(n),
-            transform=top,
-            ha="center",
-            va="bottom",
-            fontsize=8,
-            color="saddlebrown",
-        )
-        if e_in >= ctx:  # the span holds queries of this step: shade its rows and outline its block
-            y0 = max(s, ctx)
-            ax.axhspan(y0 - 0.5, e_in + 0.5, color=SPAN, alpha=0.15, lw=0, zorder=1)
-            ax.add_patch(
-                Rectangle(
-                    (s - 0.5, y0 - 0.5),
-                    e_in - s + 1,
-                    e_in - y0 + 1,
-                    fill=False,
-                    ec="saddlebrown",
-                    ls="--",
-                    lw=1.2,
-                    zorder=3,
-                )
-            )
-            tall = (e_in - y0 + 1) / (kv - ctx) > 0.15
-            ax.text(
-                1.005,
-                (y0 + e_in) / 2,
-                f"image {n}" if tall else str(n),
-                transform=right,
-                va="center",
-                fontsize=8,
-                color="saddlebrown",
-                rotation=90 if tall else 0,
-            )
-    if w is not None:  # left edge of the window (k = q - W + 1); right edge too for non-causal rows
-        ys = [ctx - 0.5, kv - 0.5]
-        ax.plot([y - w + 1 for y in ys], ys, color="crimson", ls=":", lw=1.5, zorder=3)
-        ax.text(
-            ctx - w + 0.5,
-            ctx - 0.5,
-            f"W={w} ",
-            color="crimson",
-            fontsize=8,
-            ha="right",
-            va="top",
-            zorder=3,
-            clip_on=True,
-        )
+    ax.set(xlim=(-0.5, kv - 0.5), ylim=(kv - 0.5, ctx - 0.5))
+    _draw_spans(ax, seq)
+    if w is not None:  # window edges: past side always, future side for non-causal rows
+        wide = not seq.causal and plan.layer.noncausal_window == "inclusive"
+        _edge(ax, ctx, kv, -w + 0.5 - wide)
+        ax.text(ctx - w + 0.5, ctx - 0.5, f"W={w} ", color="crimson", fontsize=8, ha="right", va="top",
+                zorder=3, clip_on=True)  # fmt: skip
         if not seq.causal:
-            right_edge = w - 1 + (plan.layer.noncausal_window == "inclusive")
-            ax.plot([y + right_edge for y in ys], ys, color="crimson", ls=":", lw=1.5, zorder=3)
+            _edge(ax, ctx, kv, w - 0.5 + wide)
+    if kv <= 48 and seq.q_len <= 48:  # big cells: outline each one so pairs can be counted
+        ax.set_xticks(range(kv))
+        ax.set_yticks(range(ctx, kv))
+        ax.set_xticks([k - 0.5 for k in range(kv + 1)], minor=True)
+        ax.set_yticks([q - 0.5 for q in range(ctx, kv + 1)], minor=True)
+        ax.grid(which="minor", color="white", lw=0.6, zorder=2.5)
+        ax.tick_params(which="minor", length=0)
     if ctx > 0:  # chunk boundary: keys left of it are in the cache, queries start there
         ax.axvline(ctx - 0.5, color="black", lw=1.4, zorder=3)
-        ha = "right" if ctx > 0.75 * kv else "left"
-        ax.text(
-            ctx - 0.5,
-            0.03,
-            f" cached keys < ctx={ctx} " if ha == "right" else f" ctx={ctx}: chunk ",
-            transform=top,
-            ha=ha,
-            va="bottom",
-            fontsize=7,
-            zorder=4,
-            bbox=dict(fc="white", ec="black", lw=0.5, pad=1.5),
-        )
+        left = ctx > 0.75 * kv
+        ax.text(ctx - 0.5, 0.03, f" cached keys < ctx={ctx} " if left else f" ctx={ctx}: chunk ",
+                transform=blend(ax.transData, ax.transAxes), ha="right" if left else "left", va="bottom",
+                fontsize=7, zorder=4, bbox=dict(fc="white", ec="black", lw=0.5, pad=1.5))  # fmt: skip
     if seq.q_len == 1:
         ax.set_yticks([ctx])
-    ax.set_title(_seq_title(plan, i, r, c), fontsize=9, loc="left", pad=17 if spans else 6)
+    ax.set_title(_seq_title(plan, i, r, c, label), fontsize=9, loc="left", pad=17 if seq.spans else 6)
     ax.set_ylabel("query (ctx + i)", fontsize=8)
     ax.tick_params(labelsize=8)
 
 
-def draw(
-    plan, path, seq: int | None = None, title: str | None = None, max_pixels: int = MAX_PIXELS, dpi: int = 110
-) -> str:
-    """Write a PNG of the allowed (query, key) pairs of every sequence (or only ``seq``).
-
-    Rows are queries at absolute positions, columns keys. Blue/green: allowed by the causal or
-    non-causal base rule (with the window); orange: allowed only through a span; white: masked.
-    Dashed boxes outline spans, the dotted red line is the window edge, the black line is the
-    chunk boundary ``ctx``. Returns ``path``.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _render(panels, path, head: str, max_pixels: int, dpi: int) -> str:
+    """One axes per ``(plan, seq, label)`` panel, stacked, with a shared legend."""
+    # Figure without pyplot: no global state, and its PNG goes through Agg
+    from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    ids = list(range(plan.num_seqs)) if seq is None else [seq]
-    for i in ids:
-        if not 0 <= i < plan.num_seqs:
-            raise ValueError(f"seq must be in [0, {plan.num_seqs}), got {i}")
-    more = len(ids) - MAX_DRAWN_SEQS
-    ids = ids[:MAX_DRAWN_SEQS]
-    seqs = [plan.batch.seqs[i] for i in ids]
+    # fixed layout in inches (tight_layout would render all text twice): title, then per panel
+    # a header (title, span labels) and the axes, then the legend
+    seqs = [p.batch.seqs[i] for p, i, _ in panels]
     heights = [min(6.0, max(0.45, 7.5 * s.q_len / s.kv_len)) for s in seqs]
-    fig, axes = plt.subplots(
-        len(ids),
-        1,
-        figsize=(10, sum(heights) + 0.9 * len(ids) + 1.4),
-        gridspec_kw={"height_ratios": heights},
-        squeeze=False,
-    )
-    for ax, i in zip(axes[:, 0], ids):
-        _draw_seq(ax, plan, i, max_pixels)
-    axes[-1, 0].set_xlabel("key position", fontsize=9)
-    layer = plan.layer
-    head = title or "spanattn mask"
-    sub = f"window={layer.window}, spans={layer.spans!r}" + (
-        f", non-causal window {layer.noncausal_window}" if any(not s.causal for s in seqs) else ""
-    )
-    if more > 0:
-        sub += f"  (first {MAX_DRAWN_SEQS} of {plan.num_seqs} sequences)"
-    fig.suptitle(f"{head}\nlayer: {sub}", fontsize=11)
+    top, header, gap, bottom, width = 0.6, 0.55, 0.3, 0.85, 10.0
+    fig_h = top + sum(heights) + header * len(panels) + gap * (len(panels) - 1) + bottom
+    fig = Figure(figsize=(width, fig_h))
+    y = fig_h - top
+    for (p, i, label), h in zip(panels, heights):
+        y -= header + h
+        ax = fig.add_axes((0.8 / width, y / fig_h, 1 - 1.3 / width, h / fig_h))
+        _draw_seq(ax, p, i, max_pixels, label)
+        y -= gap
+    ax.set_xlabel("key position", fontsize=9)
+    fig.suptitle(head, fontsize=11, y=1 - 0.1 / fig_h, va="top")
     legend = [
         Patch(color=CAUSAL, label="allowed: causal (+window)"),
         Patch(color=NONCAUSAL, label="allowed: non-causal (+window)"),
@@ -235,10 +197,43 @@ def draw(
         Line2D([], [], color="black", label="chunk boundary (ctx)"),
     ]
     fig.legend(handles=legend, loc="lower center", ncol=6, fontsize=7.5, frameon=False)
-    fig.tight_layout(rect=(0, 0.035, 1, 1))
     fig.savefig(path, dpi=dpi)
-    plt.close(fig)
     return str(path)
+
+
+def _check_seq(plan, seq: int) -> None:
+    if not 0 <= seq < plan.num_seqs:
+        raise ValueError(f"seq must be in [0, {plan.num_seqs}), got {seq}")
+
+
+def draw(plan, path, seq=None, title=None, max_pixels: int = MAX_PIXELS, dpi: int = 110) -> str:
+    """Write a PNG of the allowed (query, key) pairs of every sequence (or only ``seq``).
+
+    Rows are queries at absolute positions, columns keys. Blue/green: allowed by the causal or
+    non-causal base rule (with the window); orange: allowed only through a span; white: masked.
+    Dashed boxes outline spans, the dotted red line is the window edge, the black line is the
+    chunk boundary ``ctx``. At most 8 sequences are drawn. Returns ``path``.
+    """
+    ids = list(range(plan.num_seqs)) if seq is None else [seq]
+    for i in ids:
+        _check_seq(plan, i)
+    layer = plan.layer
+    sub = f"window={layer.window}, spans={layer.spans!r}"
+    if any(not plan.batch.seqs[i].causal for i in ids):
+        sub += f", non-causal window {layer.noncausal_window}"
+    if len(ids) > MAX_DRAWN_SEQS:
+        sub += f"  (first {MAX_DRAWN_SEQS} of {plan.num_seqs} sequences)"
+    panels = [(plan, i, None) for i in ids[:MAX_DRAWN_SEQS]]
+    return _render(panels, path, f"{title or 'spanattn mask'}\nlayer: {sub}", max_pixels, dpi)
+
+
+def compare(plans: dict, path, seq: int = 0, title=None, max_pixels: int = MAX_PIXELS, dpi: int = 110) -> str:
+    """Write a PNG of sequence ``seq`` under several plans (e.g. one per span mode), one panel
+    per ``{label: plan}`` entry, to see what each policy allows."""
+    for p in plans.values():
+        _check_seq(p, seq)
+    panels = [(p, seq, label) for label, p in list(plans.items())[:MAX_DRAWN_SEQS]]
+    return _render(panels, path, title or f"seq {seq} under {len(panels)} policies", max_pixels, dpi)
 
 
 def ascii(plan, seq: int = 0, max_keys: int = ASCII_MAX_KEYS, max_rows: int = ASCII_MAX_ROWS) -> str:
