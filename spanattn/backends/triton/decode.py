@@ -235,15 +235,20 @@ def _config(head_dim: int, interpreted: bool = False) -> tuple[int, int, int]:
 
 def decode_forward(
     q, k, v, plan, *, scale, softcap=None, return_lse=False, block_table=None,
-    split_keys=None, config=None, out=None,
+    page_size=None, split_keys=None, config=None, out=None,
 ):  # fmt: skip
     """Attention of decode-shaped rows (see :func:`suited`). ``k, v`` are packed
-    ``[total_k, Hkv, D]`` or, with ``block_table``, caches ``[num_blocks, block_size, Hkv, D]``.
+    ``[total_k, Hkv, D]`` or, with ``block_table``, caches ``[num_blocks, block_size, Hkv, D]``
+    (or viewed flat ``[num_blocks * page_size, Hkv, D]`` with ``page_size``).
     Returns ``(out, lse or None)``. No host sync; safe to capture in a CUDA graph.
 
     split_keys, config: override the automatic split size (keys per program; with a huge value
         each sequence takes one program) and ``(BLOCK_N, warps, stages)``.
     out: a preallocated output (tests poison it)."""
+    if block_table is not None and k.dim() == 3:
+        if not page_size:
+            raise ValueError("flat paged K/V needs page_size")
+        k, v = k.unflatten(0, (-1, page_size)), v.unflatten(0, (-1, page_size))
     total_q, hq, d = q.shape
     hkv = k.shape[-2]
     group = hq // hkv
