@@ -110,23 +110,28 @@ def _draw_spans(ax, seq) -> None:
     from matplotlib.transforms import blended_transform_factory as blend
 
     ctx, kv = seq.ctx, seq.kv_len
-    style = dict(fontsize=8, color="saddlebrown")
+    style = dict(fontsize=8, color="saddlebrown", textcoords="offset points")
+    bar = dict(color=SPAN, lw=5, solid_capstyle="butt", clip_on=False, zorder=5)
     for n, (s, e) in enumerate(sp for sp in seq.spans if sp[0] < kv):
         e_in = min(e, kv - 1)
         long = (e_in - s + 1) / kv > 0.012 * (len(str(s)) + len(str(e)) + 10)  # crowded: index only
         ax.axvspan(s - 0.5, e_in + 0.5, color=SPAN, alpha=0.15, lw=0, zorder=1)
+        # a bar on the top spine marks the span's keys even where every pair is allowed
+        ax.plot([s - 0.5, e_in + 0.5], [1, 1], transform=blend(ax.transData, ax.transAxes), **bar)
         label = f"image {n} [{s},{e}]" if long else str(n)
-        ax.text((s + e_in) / 2, 1.01, label, transform=blend(ax.transData, ax.transAxes), ha="center",
-                va="bottom", **style)  # fmt: skip
+        ax.annotate(label, ((s + e_in) / 2, 1), xycoords=blend(ax.transData, ax.transAxes), xytext=(0, 4),
+                    ha="center", va="bottom", **style)  # fmt: skip
         if e_in < ctx:
             continue
         y0 = max(s, ctx)
         ax.axhspan(y0 - 0.5, e_in + 0.5, color=SPAN, alpha=0.15, lw=0, zorder=1)
+        ax.plot([1, 1], [y0 - 0.5, e_in + 0.5], transform=blend(ax.transAxes, ax.transData), **bar)
         box = Rectangle((s - 0.5, y0 - 0.5), e_in - s + 1, e_in - y0 + 1, fill=False, ls="--", lw=1.2)
         ax.add_patch(box).set(ec="saddlebrown", zorder=3)
         tall = (e_in - y0 + 1) / (kv - ctx) > 0.15
-        ax.text(1.005, (y0 + e_in) / 2, f"image {n}" if tall else str(n), rotation=90 if tall else 0,
-                transform=blend(ax.transAxes, ax.transData), va="center", **style)  # fmt: skip
+        side = blend(ax.transAxes, ax.transData)
+        ax.annotate(f"image {n}" if tall else str(n), (1, (y0 + e_in) / 2), xycoords=side, xytext=(5, 0),
+                    va="center", rotation=90 if tall else 0, **style)  # fmt: skip
 
 
 def _draw_seq(ax, plan, i: int, max_pixels: int, label: str | None = None) -> None:
