@@ -50,11 +50,14 @@ def test_write_kv_cache(kernel):
     kc, vc = torch.zeros(12, 16, 2, 8), torch.zeros(12, 16, 2, 8)
     if kernel == "torch":
         sa.write_kv_cache(k, v, kc, vc, slots)
-    else:
+    else:  # on the GPU when there is one, else under the interpreter
         pytest.importorskip("triton")
         from spanattn.backends.triton.cache_write import write_kv_cache_triton
 
-        write_kv_cache_triton(k, v, kc, vc, slots)
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        kd, vd = kc.to(dev), vc.to(dev)
+        write_kv_cache_triton(k.to(dev), v.to(dev), kd, vd, slots.to(dev))
+        kc, vc = kd.cpu(), vd.cpu()
     keep = slots >= 0
     want_k, want_v = torch.zeros(12 * 16, 2, 8), torch.zeros(12 * 16, 2, 8)
     want_k[slots[keep]], want_v[slots[keep]] = k[keep], v[keep]
