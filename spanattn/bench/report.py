@@ -1,0 +1,92 @@
+"""The benchmark's outputs: a table on stdout, a JSON file of every row, a PNG bar chart."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+FLOPS_NOTE = "TFLOP/s = 4 * D * Hq * allowed_pairs / time (allowed pairs only, the FA3/FA4 convention)"
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """``vs_best_peer`` = fastest peer's kernel time / this row's (above 1: faster than it)."""
+    for key in {(r["scenario"], r["d"]) for r in rows}:
+        case = [r for r in rows if (r["scenario"], r["d"]) == key and r.get("ms")]
+        peers = [r["ms"] for r in case if r["kind"] == "peer"]
+        for r in case:
+            r["vs_best_peer"] = round(min(peers) / r["ms"], 3) if peers else None
+
+
+def _fmt(x, spec):
+    return format(x, spec) if x is not None else format("-", ">" + spec.split(".")[0])
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'scenario':9} {'d':>4} {'backend':24} {'ms':>9} {'TFLOP/s':>8} {'plan ms':>8} {'vs peer':>8}"
+    head += "  status"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}"
+        if r["status"] == "ok" and r.get("note"):
+            status += f" ({r['note']})"
+        lines.append(
+            f"{r['scenario']:9} {r['d']:>4} {r['backend']:24} {_fmt(r.get('ms'), '9.3f')} "
+            f"{_fmt(r.get('tflops'), '8.2f')} {_fmt(r.get('plan_ms'), '8.3f')} "
+            f"{_fmt(r.get('vs_best_peer'), '7.2f')}{'x' if r.get('vs_best_peer') else ' '}  {status}"
+        )
+    return "\n".join(lines)
+
+
+def environment(device) -> dict:
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else None,
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    return env
+
+
+def write_json(path: Path, meta: dict, rows: list[dict]) -> None:
+    path.write_text(json.dumps({**meta, "flops": FLOPS_NOTE, "rows": rows}, indent=1) + "\n")
+
+
+def write_png(path: Path, meta: dict, rows: list[dict]) -> bool:
+    """Grouped bars of TFLOP/s per (scenario, d), one colour per backend. False if no matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    ok = [r for r in rows if r.get("tflops")]
+    cases = list(dict.fromkeys(f"{r['scenario']} d{r['d']}" for r in ok))
+    names = list(dict.fromkeys(r["backend"] for r in ok))
+    width = 0.8 / max(1, len(names))
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(cases) + 2), 4.5))
+    for j, name in enumerate(names):
+        got = {f"{r['scenario']} d{r['d']}": r["tflops"] for r in ok if r["backend"] == name}
+        xs = [i + (j - (len(names) - 1) / 2) * width for i, c in enumerate(cases) if c in got]
+        ax.bar(xs, [got[c] for c in cases if c in got], width, label=name)
+    ax.set_xticks(range(len(cases)), cases)
+    ax.set_ylabel("TFLOP/s (allowed pairs only)")
+    where = meta.get("gpu") or f"CPU ({meta.get('cpu')}), small sizes"
+    ax.set_title(f"spanattn bench: {where}, torch {meta.get('torch')}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
