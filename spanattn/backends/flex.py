@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 
 import torch
 
@@ -88,9 +89,14 @@ def _flex_step(q, k, v, alo, ahi, kv_num, kv_idx, full_num, full_idx, scale, sof
     return fa.flex_attention(q, k, v, return_lse=True, **kw)
 
 
+# SPANATTN_FLEX_DYNAMIC=0 compiles per shape instead (a recompile whenever the step's lengths
+# change), for torch versions whose flex lowering fails with dynamic shapes.
+DYNAMIC = os.environ.get("SPANATTN_FLEX_DYNAMIC", "1") != "0"
+
+
 @functools.cache
 def _compiled():
-    return torch.compile(_flex_step, dynamic=True)
+    return torch.compile(_flex_step, dynamic=True if DYNAMIC else False)
 
 
 def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
