@@ -9,6 +9,7 @@ BACKENDS = {
     "reference": "spanattn.backends.reference",
     "sdpa": "spanattn.backends.sdpa",
     "flex": "spanattn.backends.flex",
+    "triton": "spanattn.backends.triton",
 }
 
 

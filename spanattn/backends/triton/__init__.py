@@ -1,0 +1,115 @@
+"""The triton backend: one forward kernel over packed varlen q/k/v driven by the plan's
+intervals, skipping key tiles outside ``[min lo, max hi]`` and masking only the tiles that cut
+an interval. Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1`` (slow; for tests)."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from .configs import Config, padded_head_dim, pick
+from .schedule import tile_schedule
+
+LOG2E = 1.4426950408889634
+
+
+def _kernel_module():
+    # Imported on first use so that importing spanattn never needs triton.
+    return importlib.import_module(__name__ + ".kernel")
+
+
+def unavailable(q, plan, **opts) -> str | None:
+    try:
+        kernel = _kernel_module()
+    except ImportError as e:
+        return f"triton is not installed ({e})"
+    if q.device.type != "cuda" and not kernel.INTERPRETED:
+        return f"needs a CUDA device (q is on {q.device}) or TRITON_INTERPRET=1 set before import"
+    if kernel.INTERPRETED and q.dtype == torch.bfloat16:
+        return "the Triton interpreter (TRITON_INTERPRET=1) cannot run bfloat16"
+    d = q.shape[-1]
+    if padded_head_dim(d) is None:
+        return f"head_dim must be a multiple of 16 up to 512, got {d}"
+    return None
+
+
+def forward(
+    q,
+    k,
+    v,
+    plan,
+    *,
+    scale,
+    softcap=None,
+    return_lse=False,
+    out=None,
+    config: Config | None = None,
+    lpt: bool = True,
+    block_table=None,
+    page_size: int | None = None,
+    kernel: str = "auto",
+):
+    """``out [total_q, Hq, D]`` and ``lse [total_q, Hq]`` (fp32, natural log) or None.
+
+    block_table: paged K/V, ``k, v [num_blocks, page_size, Hkv, D]`` (or viewed flat
+        ``[num_blocks * page_size, Hkv, D]`` with ``page_size``); position ``pos`` of sequence
+        ``s`` is in block ``block_table[s, pos // page_size]`` at offset ``pos % page_size``.
+    kernel: ``"auto"`` sends decode-shaped steps (every ``q_len`` small) to the split-KV decode
+        kernel and the rest to the prefill kernel; ``"prefill"`` forces the latter.
+    out: preallocated output (tests poison it). config: override the prefill tile/warp choice.
+    """
+    why = unavailable(q, plan)
+    if why is not None:
+        raise RuntimeError(f"triton backend: {why}")
+    if block_table is not None and k.dim() == 4:
+        page_size = k.shape[1]
+        k, v = k.flatten(0, 1), v.flatten(0, 1)
+    total_q, hq, d = q.shape
+    hkv = k.shape[1]
+    if kernel == "auto" and config is None:
+        from . import decode  # the split-KV kernel reads every K/V byte once per KV head
+
+        if decode.suited(plan, hq // hkv):
+            return decode.decode_forward(
+                q, k, v, plan, scale=scale, softcap=softcap, return_lse=return_lse,
+                block_table=block_table, page_size=page_size, out=out,
+            )  # fmt: skip
+    elif kernel not in ("auto", "prefill"):
+        raise ValueError(f"kernel must be 'auto' or 'prefill', got {kernel!r}")
+    kmod = _kernel_module()
+    head_dim = padded_head_dim(d)
+    cfg = config or pick(d, q.dtype, kmod.INTERPRETED)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if out is None:
+        out = torch.empty(total_q, hq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device) if return_lse else None
+    sched = tile_schedule(plan, cfg.block_m, lpt)
+    paged = block_table is not None
+    if paged:
+        if not page_size:
+            raise ValueError("paged K/V needs page_size")
+        block_table = block_table.to(torch.int32)
+    if softcap:
+        qk_scale, softcap_log2 = scale / softcap, softcap * LOG2E
+    else:
+        qk_scale, softcap_log2 = scale * LOG2E, 1.0
+    grid = (sched.num_tiles * hq,)
+    kmod.attn_fwd[grid](
+        q, k, v, out, lse if return_lse else out,
+        plan.lo, plan.hi, plan.cu_seqlens_q, plan.cu_seqlens_k,
+        sched.tile_seq, sched.tile_qstart, block_table if paged else plan.seq_lens,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), block_table.stride(0) if paged else 0,
+        qk_scale, softcap_log2,
+        HQ=hq, GROUP=hq // hkv, HEAD_DIM=head_dim, D=d,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        SOFTCAP=bool(softcap), RETURN_LSE=return_lse, PAGED=paged, PAGE_SIZE=page_size or 1,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHILE_LOOPS=kmod.INTERPRETED,
+        WARP_SPEC=cfg.warp_specialize and not kmod.INTERPRETED,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out, lse
+
+
+__all__ = ["Config", "forward", "unavailable"]

@@ -1,0 +1,266 @@
+"""The forward kernel: packed varlen attention where query ``i`` sees keys ``[lo[i], hi[i]]``.
+
+One program = one query tile (``BLOCK_M`` consecutive queries of one sequence) x one query head.
+The tile's keys form one contiguous range ``[min lo, max hi]`` (DESIGN.md section 1), walked in
+three loops: PARTIAL tiles before the FULL range, FULL tiles inside ``[max lo, min hi]`` (no mask
+math, no bounds checks), PARTIAL tiles after it. For causal rows the first loop is empty and the
+last holds the diagonal; for sliding windows the first holds the window's trailing edge.
+
+Everything that changes from step to step (lengths, spans, batch composition, tile order) is a
+tensor argument; constexprs depend only on the model (heads, head_dim, dtype) and the config, so
+a serving loop compiles each layer kind once.
+
+A paged KV cache is the ``PAGED`` constexpr: keys are addressed by in-sequence position and
+``_kv_rows`` turns positions into physical rows, through ``block_table`` when paged.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+INTERPRETED = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else False
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _kv_rows(kv_idx, k_row0, seq, BLOCK_TABLE, stride_bt, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Physical rows (int64) of in-sequence key positions ``kv_idx`` in the K/V tensors."""
+    if PAGED:
+        page = tl.load(BLOCK_TABLE + seq.to(tl.int64) * stride_bt + kv_idx // PAGE_SIZE)
+        return page.to(tl.int64) * PAGE_SIZE + (kv_idx % PAGE_SIZE)
+    else:
+        return k_row0 + kv_idx.to(tl.int64)
+
+
+@triton.jit
+def _attend(
+    acc,
+    m_i,
+    l_i,
+    q,
+    K,
+    V,
+    rows,
+    kv_idx,
+    lo,
+    hi,
+    stride_kt,
+    stride_vt,
+    offs_d,
+    qk_scale,
+    softcap_log2,
+    MASKED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One KV tile of the online softmax; scores live in the log2 domain (exp2 is one MUFU op)."""
+    k_ptrs = K + rows[:, None] * stride_kt + offs_d[None, :]
+    v_ptrs = V + rows[:, None] * stride_vt + offs_d[None, :]
+    if HEAD_DIM != D:  # head_dim padded up to a power of two: the pad columns read as zero
+        k = tl.load(k_ptrs, mask=offs_d[None, :] < D, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if SOFTCAP:
+        # c * tanh(x) with x = score * scale / c; tanh(x) = 1 - 2 / (exp(2x) + 1), which saturates
+        # cleanly to +-1 (tl has no portable tanh across triton versions). Result in log2 units.
+        s = (1.0 - 2.0 / (tl.exp2(s * (qk_scale * 2.8853900817779268)) + 1.0)) * softcap_log2
+        s_scale = 1.0
+    else:
+        # Raw scores; the scale is folded into exp2's argument below (one FFMA per score).
+        s_scale = qk_scale
+    if MASKED:
+        allowed = (kv_idx[None, :] >= lo[:, None]) & (kv_idx[None, :] <= hi[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+    # m_i is in scaled log2 units; the scale is positive so it commutes with max.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
+    if MASKED:
+        # A row may have no allowed key in this tile and none seen yet: keep exp2 away from
+        # (-inf) - (-inf). Unmasked tiles always hold at least one finite score per row.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.exp2(s * s_scale - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if HEAD_DIM != D:
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < D, other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _walk(
+    acc, m_i, l_i, q, K, V, start, end, kv_end, k_row0, seq, BLOCK_TABLE, stride_bt,
+    lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
+    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WHILE_LOOPS: tl.constexpr, WARP_SPEC: tl.constexpr,
+):  # fmt: skip
+    """KV tiles ``[start, end)`` in steps of BLOCK_N. A ``for`` loop is what triton software-
+    pipelines; the interpreter cannot take loaded scalars as ``range`` bounds under numpy >= 2.4
+    (int() of a 1-element array), so it walks the same tiles with ``while``."""
+    if WHILE_LOOPS:
+        n = start
+        while n < end:
+            acc, m_i, l_i = _kv_tile(
+                acc, m_i, l_i, q, K, V, n, kv_end, k_row0, seq, BLOCK_TABLE, stride_bt,
+                lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
+                MASKED, SOFTCAP, HEAD_DIM, D, PAGED, PAGE_SIZE, DOT_PRECISION,
+            )  # fmt: skip
+            n += BLOCK_N
+    elif WARP_SPEC and not MASKED:
+        # Hopper/Blackwell warp specialization (triton >= 3.4): loads in a producer warp.
+        for n in tl.range(start, end, BLOCK_N, warp_specialize=True):
+            acc, m_i, l_i = _kv_tile(
+                acc, m_i, l_i, q, K, V, n, kv_end, k_row0, seq, BLOCK_TABLE, stride_bt,
+                lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
+                MASKED, SOFTCAP, HEAD_DIM, D, PAGED, PAGE_SIZE, DOT_PRECISION,
+            )  # fmt: skip
+    else:
+        for n in range(start, end, BLOCK_N):
+            acc, m_i, l_i = _kv_tile(
+                acc, m_i, l_i, q, K, V, n, kv_end, k_row0, seq, BLOCK_TABLE, stride_bt,
+                lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
+                MASKED, SOFTCAP, HEAD_DIM, D, PAGED, PAGE_SIZE, DOT_PRECISION,
+            )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _kv_tile(
+    acc, m_i, l_i, q, K, V, n, kv_end, k_row0, seq, BLOCK_TABLE, stride_bt,
+    lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
+    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    kv_idx = n + offs_n
+    if MASKED:
+        # Clamping the address (not the mask) keeps every load in bounds without load masks.
+        pos = tl.minimum(kv_idx, kv_end - 1)
+    else:
+        pos = kv_idx
+    rows = _kv_rows(pos, k_row0, seq, BLOCK_TABLE, stride_bt, PAGED, PAGE_SIZE)
+    return _attend(
+        acc, m_i, l_i, q, K, V, rows, kv_idx, lo, hi, stride_kt, stride_vt, offs_d,
+        qk_scale, softcap_log2, MASKED, SOFTCAP, HEAD_DIM, D, DOT_PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit
+def attn_fwd(
+    Q,
+    K,
+    V,
+    OUT,
+    LSE,
+    LO,
+    HI,
+    CU_SEQLENS_Q,
+    CU_SEQLENS_K,
+    TILE_SEQ,
+    TILE_QSTART,
+    BLOCK_TABLE,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    qk_scale,
+    softcap_log2,
+    HQ: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
+):
+    # Heads vary fastest so that all heads of one (heavy, LPT-ordered) tile run together and
+    # share its K/V tiles through L2.
+    pid = tl.program_id(0)
+    tile = pid // HQ
+    head = pid % HQ
+    kv_head = head // GROUP
+
+    seq = tl.load(TILE_SEQ + tile)
+    q_start = tl.load(TILE_QSTART + tile)
+    q_row0 = tl.load(CU_SEQLENS_Q + seq)
+    q_len = tl.load(CU_SEQLENS_Q + seq + 1) - q_row0
+    k_row0 = tl.load(CU_SEQLENS_K + seq).to(tl.int64)
+
+    offs_m = q_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < q_len
+    # Rows past the sequence end copy the last row's interval: they compute a harmless duplicate
+    # (never stored) instead of an empty row, and do not widen the tile's key range.
+    q_idx = q_row0 + tl.minimum(offs_m, q_len - 1)
+    lo = tl.load(LO + q_idx)
+    hi = tl.load(HI + q_idx)
+    kv_end = tl.max(hi) + 1
+    kv_start = (tl.min(lo) // BLOCK_N) * BLOCK_N
+    full_lo = tl.max(lo)
+    full_hi = tl.min(hi)
+    full_start = tl.minimum((full_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N, kv_end)
+    full_end = tl.maximum((full_hi + 1) // BLOCK_N * BLOCK_N, full_start)
+
+    q_rows = (q_row0 + offs_m).to(tl.int64)
+    q_ptrs = Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    if HEAD_DIM != D:
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    else:
+        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+
+    K += kv_head * stride_kh
+    V += kv_head * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # PARTIAL tiles before the FULL range (sliding windows, non-causal rows, span starts).
+    acc, m_i, l_i = _walk(
+        acc, m_i, l_i, q, K, V, kv_start, full_start, kv_end, k_row0, seq, BLOCK_TABLE, stride_bt,
+        lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
+        True, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, WARP_SPEC,
+    )  # fmt: skip
+    # FULL tiles: every (row, key) pair allowed and in bounds.
+    acc, m_i, l_i = _walk(
+        acc, m_i, l_i, q, K, V, full_start, full_end, kv_end, k_row0, seq, BLOCK_TABLE, stride_bt,
+        lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
+        False, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, WARP_SPEC,
+    )  # fmt: skip
+    # PARTIAL tiles after it (the causal diagonal, span ends, chunk ends).
+    acc, m_i, l_i = _walk(
+        acc, m_i, l_i, q, K, V, full_end, kv_end, kv_end, k_row0, seq, BLOCK_TABLE, stride_bt,
+        lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
+        True, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, WARP_SPEC,
+    )  # fmt: skip
+
+    # Every row allows k = q, so l_i > 0 for stored rows.
+    acc = acc / l_i[:, None]
+    o_ptrs = OUT + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    if HEAD_DIM != D:
+        tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+    else:
+        tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    if RETURN_LSE:
+        tl.store(LSE + q_rows * HQ + head, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)

@@ -1,0 +1,183 @@
+"""The triton prefill kernel against fp64 truth (DESIGN.md section 4), under TRITON_INTERPRET=1
+when there is no GPU. Outputs are poisoned with NaN first, so an unwritten row fails. The
+interpreter is slow: shapes are small and tiles are 16 x 16 (configs.INTERPRETER_CONFIG), so
+short sequences still cross many tile edges."""
+
+import importlib
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before triton is imported anywhere
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from strategies import batches, layers  # noqa: E402
+from tolerance import assert_close_to_truth  # noqa: E402
+
+import spanattn as sa  # noqa: E402
+
+triton = pytest.importorskip("triton")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    """The kernel module as this run needs it: if something imported it before the interpreter
+    was switched on (doctest collection), decorate it again."""
+    from spanattn.backends.triton import kernel
+
+    if DEV == "cpu" and not kernel.INTERPRETED:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("TRITON_INTERPRET is not set and there is no GPU")
+        importlib.reload(kernel)
+    return kernel
+
+
+def run(batch, layer, hq=2, hkv=1, d=32, dtype=torch.float16, softcap=None, seed=0, **kw):
+    from spanattn.backends import triton as tb
+
+    g = torch.Generator().manual_seed(seed)
+    p = sa.plan(batch, layer, device=DEV)
+    q = torch.randn(p.total_q, hq, d, generator=g).to(dtype).to(DEV)
+    k = torch.randn(p.total_k, hkv, d, generator=g).to(dtype).to(DEV)
+    v = torch.randn(p.total_k, hkv, d, generator=g).to(dtype).to(DEV)
+    out = torch.full_like(q, float("nan"))
+    out, lse = tb.forward(
+        q, k, v, p, scale=d**-0.5, softcap=softcap, return_lse=True, out=out, kernel="prefill", **kw
+    )
+    opts = {"softcap": softcap} if softcap else {}
+    cpu = p if DEV == "cpu" else sa.plan(batch, layer)
+    assert_close_to_truth(out.cpu(), lse.cpu(), q.cpu(), k.cpu(), v.cpu(), cpu, scale=d**-0.5, **opts)
+    return out, lse
+
+
+MIXED = sa.Batch(
+    [
+        sa.Seq(q_len=40, kv_len=75, spans=[(16, 31), (48, 70)]),  # spans on 16-tile edges, chunked
+        sa.Seq(q_len=1, kv_len=23),  # a decode row
+        sa.Seq(q_len=19, kv_len=19, causal=False),  # a canvas
+        sa.Seq(q_len=1, kv_len=1),
+    ]
+)
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        sa.LayerMask(spans="off"),
+        sa.LayerMask(spans="on"),
+        sa.LayerMask(window=1),
+        sa.LayerMask(window=20, spans="clamp"),
+        sa.LayerMask(window=9, spans="on", noncausal_window="inclusive"),
+    ],
+    ids=["causal", "on", "W1", "W20-clamp", "W9-on-inclusive"],
+)
+def test_mixed_batch_layers(layer):
+    run(MIXED, layer, hq=4, hkv=2)
+
+
+@pytest.mark.parametrize("hq, hkv", [(2, 2), (4, 2), (4, 1)])
+def test_gqa(hq, hkv):
+    run(sa.Batch([sa.Seq(q_len=17, kv_len=33, spans=[(20, 31)])]), sa.LayerMask(window=8), hq, hkv, d=16)
+
+
+@pytest.mark.parametrize("d, dtype", [(64, torch.float16), (128, torch.float32), (96, torch.float16)])
+def test_head_dims(d, dtype):
+    run(sa.Batch([sa.Seq(q_len=18, kv_len=35, spans=[(15, 32)]), sa.Seq(q_len=1, kv_len=9)]),
+        sa.LayerMask(spans="on"), 2, 1, d=d, dtype=dtype)  # fmt: skip
+
+
+def test_single_token():
+    run(sa.Batch([sa.Seq(q_len=1)]), sa.LayerMask(), hq=1, hkv=1, d=16, dtype=torch.float32)
+
+
+def test_softcap():
+    run(MIXED, sa.LayerMask(window=20, spans="on"), softcap=2.0)
+
+
+def test_lse_and_out_for_one_key():
+    """W=1: every causal row sees only itself, so out is that key's v and lse its scaled score."""
+    from spanattn.backends import triton as tb
+
+    p = sa.plan(sa.Batch([sa.Seq(q_len=33)]), sa.LayerMask(window=1), device=DEV)
+    q, k, v = (torch.randn(33, 1, 16, device=DEV) for _ in range(3))
+    out, lse = tb.forward(q, k, v, p, scale=0.5, return_lse=True, kernel="prefill")
+    assert torch.equal(out, v)
+    torch.testing.assert_close(lse, (q * k).sum(-1) * 0.5, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_equals_packed():
+    """Paged K/V in shuffled pages gives bit-for-bit the packed result (same tiles, same order)."""
+    from spanattn.backends import triton as tb
+
+    batch = sa.Batch([sa.Seq(q_len=20, kv_len=45, spans=[(30, 44)]), sa.Seq(q_len=3, kv_len=8, causal=False)])
+    p = sa.plan(batch, sa.LayerMask(window=12, spans="clamp"), device=DEV)
+    g = torch.Generator().manual_seed(1)
+    hkv, d, page = 1, 16, 8
+    q = torch.randn(p.total_q, 2, d, generator=g).to(DEV)
+    k = torch.randn(p.total_k, hkv, d, generator=g).to(DEV)
+    v = torch.randn(p.total_k, hkv, d, generator=g).to(DEV)
+    need = [-(-s.kv_len // page) for s in batch.seqs]
+    pages = torch.randperm(sum(need) + 2, generator=g)
+    kc = torch.full((len(pages), page, hkv, d), float("nan"), device=DEV)
+    vc = torch.full_like(kc, float("nan"))
+    bt = torch.zeros(len(need), max(need) + 1, dtype=torch.int32)
+    used, cu_k = 0, p.cu_seqlens_k.tolist()
+    for i, s in enumerate(batch.seqs):
+        bt[i, : need[i]] = pages[used : used + need[i]]
+        bt[i, need[i] :] = pages[-1]  # never read: NaN would show
+        for pos in range(s.kv_len):
+            kc[bt[i, pos // page], pos % page] = k[cu_k[i] + pos]
+            vc[bt[i, pos // page], pos % page] = v[cu_k[i] + pos]
+        used += need[i]
+    packed = tb.forward(q, k, v, p, scale=0.25, return_lse=True, kernel="prefill")
+    paged = tb.forward(q, kc, vc, p, scale=0.25, return_lse=True, kernel="prefill", block_table=bt.to(DEV))
+    assert torch.equal(packed[0], paged[0]) and torch.equal(packed[1], paged[1])
+
+
+def test_through_attention_api():
+    """backend="triton" by name, with a prefill-shaped step."""
+    p = sa.plan(sa.Batch([sa.Seq(q_len=20, kv_len=30, spans=[(12, 25)])]), sa.LayerMask(window=5), device=DEV)
+    q, k, v = (
+        torch.randn(20, 2, 16, device=DEV),
+        torch.randn(30, 1, 16, device=DEV),
+        torch.randn(30, 1, 16, device=DEV),
+    )
+    out = sa.attention(q, k, v, p, backend="triton")
+    want = sa.attention(q, k, v, p, backend="reference")
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+
+
+def test_unsupported_head_dim_says_why():
+    from spanattn.backends import triton as tb
+
+    p = sa.plan(sa.Batch([sa.Seq(q_len=2)]), sa.LayerMask(), device=DEV)
+    for d in (24, 528):
+        assert "head_dim" in tb.unavailable(torch.zeros(2, 1, d, device=DEV), p)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        sa.attention(*(torch.zeros(2, 1, 24, device=DEV),) * 3, p, backend="triton")
+
+
+def test_schedule_covers_every_query_once_heaviest_first():
+    from spanattn.backends.triton.schedule import build_schedule, tile_schedule
+
+    batch = sa.Batch(
+        [sa.Seq(q_len=40, kv_len=100), sa.Seq(q_len=1, kv_len=7), sa.Seq(q_len=33, causal=False)]
+    )
+    p = sa.plan(batch, sa.LayerMask(spans="off"))
+    s = build_schedule(p, 16)
+    starts = sorted(zip(s.tile_seq.tolist(), s.tile_qstart.tolist()))
+    assert starts == [(0, 0), (0, 16), (0, 32), (1, 0), (2, 0), (2, 16), (2, 32)]
+    cost = s.tile_cost.tolist()
+    assert cost == sorted(cost, reverse=True)
+    # tile (0, 32): queries 32..39 at positions 92..99, causal from 0
+    assert cost[0] == 100 and s.tile_seq[0].item() == 0 and s.tile_qstart[0].item() == 32
+    assert tile_schedule(p, 16) is tile_schedule(p, 16)  # built once per plan, reused by layers
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches(max_seqs=3, max_len=80), layer=layers(max_window=80))
+def test_random_layouts(batch, layer):
+    run(batch, layer, hq=2, hkv=1, d=16)
