@@ -168,7 +168,7 @@ def cmd_demo(args) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     names = args.backends.split(",") if args.backends else None
     try:
-        return demo.run(args.device, dtype, args.out_dir, names, args.head_dim, args.seed)
+        return demo.run(args.device, dtype, args.out_dir, names, args.head_dim, args.seed, args.reps)
     except ValueError as e:  # bad --backends / --head-dim; a backend's own failure is a table row
         print(f"spanattn demo: error: {e}", file=sys.stderr)
         return 2
@@ -183,7 +183,8 @@ def cmd_bench(argv: list[str]) -> int:
             f"spanattn bench: error: cannot import spanattn.bench ({type(e).__name__}: {e})", file=sys.stderr
         )
         return 2
-    parser = argparse.ArgumentParser(prog="spanattn bench", description="Benchmark the standard scenarios.")
+    about = (bench.__doc__ or "Benchmark the standard scenarios.").split("\n\n")[0]
+    parser = argparse.ArgumentParser(prog="spanattn bench", description=about)
     bench.add_arguments(parser)
     rc = bench.main(parser.parse_args(argv))
     return rc if isinstance(rc, int) else 0
@@ -232,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--backends", help="comma-separated subset (default: every registered backend)")
     demo.add_argument("--head-dim", type=int, default=128)
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--reps", type=int, help="timed calls per backend (default: 10 on CUDA, 2 on CPU)")
     demo.add_argument("--out-dir", default="spanattn-out", help="directory for pictures")
     demo.set_defaults(run=cmd_demo)
 
