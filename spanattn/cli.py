@@ -4,6 +4,7 @@ Gemma-4-like step on every backend of this machine, `bench` hands over to spanat
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
@@ -177,7 +178,7 @@ def cmd_demo(args) -> int:
 def cmd_bench(argv: list[str]) -> int:
     # imported only when chosen: the benchmark may pull in triton and the scenarios' sizes
     try:
-        from . import bench
+        bench = importlib.import_module("spanattn.bench")
     except Exception as e:
         print(
             f"spanattn bench: error: cannot import spanattn.bench ({type(e).__name__}: {e})", file=sys.stderr
