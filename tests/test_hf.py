@@ -141,19 +141,27 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def test_chunked_prefill(models):
-    """A chunk after a cached text prefix: queries offset by the cache, images inside the chunk."""
+@pytest.mark.parametrize("ctx", [3, 21])
+def test_chunked_prefill(models, ctx):
+    """A chunk after a cached prefix: queries offset by the cache, an image inside the chunk.
+    At ctx=21 the prefix holds the first image and the sliding layers' cache has already dropped
+    keys (W=8), so the chunk's keys start at an offset."""
     name, eager, _, ours = models
     kw = {k: v for k, v in row(inputs(name), 0).items() if k not in ("position_ids", "attention_mask")}
-    ctx, results = 3, []
+    images = {k: v for k, v in kw.items() if k in ("pixel_values", "image_position_ids")}
+    split = 0 if ctx < 19 else 1  # images before the chunk end (row 0 has images at 3..18, 21..36)
+    types = next(k for k in kw if k.endswith("token_type_ids"))
+    results = []
     for model in (eager, ours):
         cache = transformers.DynamicCache(config=model.config.get_text_config())
-        first = {"input_ids": kw["input_ids"][:, :ctx], cache_kwarg(model): cache, "use_cache": True}
+        first = {"input_ids": kw["input_ids"][:, :ctx], types: kw[types][:, :ctx], "use_cache": True}
+        first.update({k: v[:split] for k, v in images.items()} if split else {})
+        # transformers' convention: token types of a later chunk cover the prompt from position 0
+        rest = dict(kw, input_ids=kw["input_ids"][:, ctx:], use_cache=True)
+        rest.update({k: v[split:] for k, v in images.items()})
         with torch.no_grad():
-            model(**first)
-            rest = dict(kw, input_ids=kw["input_ids"][:, ctx:], use_cache=True)
-            rest[cache_kwarg(model)] = cache
-            results.append(model(**rest).logits)
+            model(**first, **{cache_kwarg(model): cache})
+            results.append(model(**rest, **{cache_kwarg(model): cache}).logits)
     assert (results[0] - results[1]).abs().max().item() < 1e-4
 
 
