@@ -1,17 +1,11 @@
 """The paged cache helpers: write_kv_cache (torch path and Triton kernel under the interpreter),
 slot_mapping, gather_kv, and the checks on paged arguments."""
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():  # before triton is imported anywhere
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-import spanattn as sa  # noqa: E402
-from spanattn.cache import gather_kv, slot_mapping  # noqa: E402
+import spanattn as sa
+from spanattn.cache import gather_kv, slot_mapping
 
 
 def _setup(block_size=16, seed=0):

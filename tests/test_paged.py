@@ -5,18 +5,12 @@ outputs are poisoned with NaN before the kernel runs: a read outside a sequence'
 left unwritten shows up as NaN. The Triton kernel runs under TRITON_INTERPRET=1 without a GPU.
 """
 
-import os
-
+import pytest
 import torch
+from tolerance import assert_close_to_truth
 
-if not torch.cuda.is_available():  # before triton is imported anywhere
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-from tolerance import assert_close_to_truth  # noqa: E402
-
-import spanattn as sa  # noqa: E402
-from spanattn.cache import gather_kv, slot_mapping  # noqa: E402
+import spanattn as sa
+from spanattn.cache import gather_kv, slot_mapping
 
 triton = pytest.importorskip("triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -101,6 +95,30 @@ def test_dense_backends_paged_equal_packed(backend):
     assert torch.equal(paged[0], packed[0]) and torch.equal(paged[1], packed[1])
     kg, vg = gather_kv(kc, vc, bt, p)
     assert torch.equal(kg, k) and torch.equal(vg, v)
+
+
+MIXED = sa.Batch(
+    [
+        sa.Seq(q_len=20, kv_len=70, spans=[(55, 69)]),
+        sa.Seq(q_len=1, kv_len=40),
+        sa.Seq(q_len=8, kv_len=8, causal=False),
+    ]
+)
+
+
+@pytest.mark.parametrize("batch", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_triton_backend_paged(batch):
+    """The public path: prefill chunks with an image, decode rows and a canvas in one paged call
+    (the prefill kernel's paged mode), and a decode-shaped step (routed to the split-KV kernel)."""
+    p, q, k, v, kc, vc, bt = paged_step(
+        batch, sa.LayerMask(window=16, spans="clamp"), 2, 1, 16, 16, torch.float16
+    )
+    from spanattn import backends
+
+    if "triton" not in backends.BACKENDS:
+        pytest.skip("the triton backend is not registered")
+    out, lse = sa.attention(q, kc, vc, p, block_table=bt, backend="triton", return_lse=True)
+    assert_close_to_truth(out.cpu(), lse.cpu(), *(t.cpu() for t in (q, k, v)), _cpu(p))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

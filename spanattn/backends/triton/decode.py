@@ -30,7 +30,7 @@ MAX_Q_LEN = 16  # speculative / diffusion blocks; longer rows go to the prefill 
 MAX_ROWS = 128  # q_len * GROUP stacked in one tile
 MAX_SPLITS = 64
 MIN_SPLIT_KEYS = 256  # below this a split's fixed cost (partials, merge) outweighs its keys
-PROGRAMS_PER_SM = 16  # work items per SM the split size aims for
+PROGRAMS_PER_SM = 32  # work items per SM the split size aims for (D1 on H200: ~2k keys best)
 
 
 @triton.jit
@@ -149,7 +149,7 @@ def _decode_split(
 
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / LOG2E)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     store = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
         rows = split * stride_ls + tok * HQ + head
@@ -223,13 +223,14 @@ def choose_splits(plan, kv_heads: int, device, split_keys: int | None = None) ->
 
 
 def _config(head_dim: int, interpreted: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages): K and V tiles of ~16 KB each, several in flight."""
+    """(BLOCK_N, num_warps, num_stages), from a sweep on D1 (H200, benchmarks/README.md): K and V
+    tiles of 16-32 KB, 2-3 stages in flight. d512 is unmeasured (tiles kept at 16 KB)."""
     if interpreted:  # CPU tests: small tiles cross more page and split edges
         return 16, 4, 1
     if head_dim <= 128:
         return 64, 4, 3
     if head_dim <= 256:
-        return 32, 4, 3
+        return 64, 4, 2
     return 16, 4, 2
 
 
