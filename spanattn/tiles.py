@@ -114,10 +114,20 @@ def build_tile_tables(alo, ahi, kv_len: int, BLOCK_M: int = 128, BLOCK_N: int = 
     )
 
 
-def tile_tables(plan: Plan, BLOCK_M: int = 128, BLOCK_N: int = 128) -> TileTables:
-    """The plan's packed tile tables, built once per plan and block shape."""
+def tile_tables(plan: Plan, BLOCK_M: int = 128, BLOCK_N: int = 128, fused: bool | None = None) -> TileTables:
+    """The plan's packed tile tables, built once per plan and block shape.
+
+    fused: one Triton launch that also writes the packed intervals (tiles_triton.py); default
+        on CUDA, where planning is bound by kernel launches. Otherwise the torch code above.
+    """
 
     def build():
+        if fused if fused is not None else plan.device.type == "cuda":
+            from .tiles_triton import fused_tile_tables
+
+            packed, tables = fused_tile_tables(plan, BLOCK_M, BLOCK_N)
+            plan.cached("packed_intervals", lambda: packed)
+            return TileTables(*tables, BLOCK_M, BLOCK_N, plan.total_q, plan.total_k)
         alo, ahi = packed_intervals(plan)
         return build_tile_tables(alo, ahi, plan.total_k, BLOCK_M, BLOCK_N)
 

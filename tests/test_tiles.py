@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # the fused Triton builder runs interpreted; set before triton loads
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import batches, layers
@@ -111,3 +117,23 @@ def test_build_from_raw_intervals():
     # two rows of one 4-row block: the block is never full (short block), both KV blocks partial
     t = build_tile_tables(torch.tensor([0, 0]), torch.tensor([3, 7]), 8, BLOCK_M=4, BLOCK_N=4)
     assert t.kv_num_blocks.tolist() == [2] and t.full_kv_num_blocks.tolist() == [0]
+
+
+@settings(max_examples=15, deadline=None)
+@given(batch=batches(), layer=layers(), bm=st.sampled_from([32, 128]), bn=st.sampled_from([32, 128]))
+def test_fused_triton_tables_equal_torch(batch, layer, bm, bn):
+    """tiles_triton.py (one launch, the CUDA default) builds the same tables and intervals."""
+    pytest.importorskip("triton")
+    from spanattn import tiles_triton
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    if dev == "cpu" and type(tiles_triton._tile_tables_kernel).__name__ != "InterpretedFunction":
+        importlib.reload(tiles_triton)  # imported before the interpreter was switched on
+    plan_torch, plan_fused = sa.plan(batch, layer, dev), sa.plan(batch, layer, dev)
+    want, got = tile_tables(plan_torch, bm, bn, fused=False), tile_tables(plan_fused, bm, bn, fused=True)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        assert torch.equal(getattr(want, name), getattr(got, name)), name
+    for a, b in zip(packed_intervals(plan_torch), packed_intervals(plan_fused)):
+        assert torch.equal(a, b)

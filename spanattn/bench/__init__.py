@@ -94,6 +94,8 @@ def _run_item(item: Item, sc, small, d, plan, qkv, dtype, device, check: bool) -
     row["tflops"] = 4 * d * HQ * plan.allowed_pairs() / (row["ms"] * 1e-3) / 1e12
     if item.planning is not None:
         row["plan_ms"] = timing.host_ms(item.planning(sc, device), device)
+        if item.kind == "spanattn":  # of which spanattn.plan alone (the rest: the backend's tables)
+            row["plan_core_ms"] = timing.host_ms(lambda: sa.plan(sc.batch, sc.layer, device), device)
         if item.name == "flex+create_block_mask" and torch.device(device).type == "cuda":
             # the peer at its best: create_block_mask compiled too; the faster one counts
             row["plan_ms_eager"] = row["plan_ms"]
@@ -104,20 +106,22 @@ def _run_item(item: Item, sc, small, d, plan, qkv, dtype, device, check: bool) -
 
 
 def _recompile_probe(device, dtype) -> dict | None:
-    """Three new S1-like steps of other lengths (none a multiple of 128) through the flex
-    backend after the scenarios ran: how many new graphs did torch.compile build?"""
+    """New S1-like steps of other lengths through the flex backend after the scenarios ran:
+    how many new graphs did torch.compile build for each?"""
     from torch._dynamo.utils import counters
 
     from spanattn.backends import flex
     from spanattn.scenarios import even_spans
 
-    before = int(counters["stats"]["unique_graphs"])
-    for n in (20001, 24577, 30111):
+    lengths, new_graphs = (20001, 24577, 30111, 28672), []
+    for n in lengths:
+        before = int(counters["stats"]["unique_graphs"])
         batch = sa.Batch([sa.Seq(n, spans=even_spans(n, 8, 700))])
         plan = sa.plan(batch, sa.LayerMask(window=1024, spans="clamp"), device)
         q, k, v = _inputs(plan, 128, dtype, device, seed=2)
         flex.forward(q, k, v, plan, scale=128**-0.5)
-    return {"steps": 3, "new_graphs": int(counters["stats"]["unique_graphs"]) - before}
+        new_graphs.append(int(counters["stats"]["unique_graphs"]) - before)
+    return {"lengths": lengths, "new_graphs": new_graphs}
 
 
 def main(args: argparse.Namespace) -> int:
