@@ -43,9 +43,10 @@ def unavailable(q, plan, **opts) -> str | None:
 
 
 def prepare(plan) -> None:
-    """Build what a step needs once per plan (cached on it): packed intervals and tile tables."""
-    packed_intervals(plan)
+    """Build what a step needs once per plan (cached on it): tile tables and packed intervals
+    (tables first: on CUDA one launch writes both)."""
     tile_tables(plan, BLOCK_M, BLOCK_N)
+    packed_intervals(plan)
 
 
 @functools.cache
@@ -100,8 +101,8 @@ def _compiled():
 
 
 def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
-    alo, ahi = packed_intervals(plan)
     t = tile_tables(plan, BLOCK_M, BLOCK_N)
+    alo, ahi = packed_intervals(plan)
     step, dtype = (_compiled(), q.dtype) if q.is_cuda else (_flex_step, torch.float32)
     # CPU: flex's eager math runs in the input dtype (bf16 scores and probabilities, ~8x the
     # reference's error), so it gets float32 inputs like the reference; it is the slow path anyway.
