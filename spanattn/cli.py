@@ -122,7 +122,12 @@ def _step(args) -> tuple[Batch, LayerMask]:
             causal=not args.non_causal,
             prompt_len=args.prompt_len,
         )
-        seqs = [Seq(**kw) for kw in (args.seq or [single])]
+        seqs = []
+        for i, kw in enumerate(args.seq or [single]):
+            try:
+                seqs.append(Seq(**kw))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"--seq {i}: {e}" if args.seq else str(e)) from None
         batch, layer = Batch(seqs, allow_split_spans=args.allow_split_spans), LayerMask()
     return batch, LayerMask(
         window=layer.window if args.window == "keep" else args.window,
@@ -138,18 +143,26 @@ def cmd_show(args) -> int:
     try:
         batch, layer = _step(args)
         p = plan(batch, layer)
+        if args.draw_seq is not None and not 0 <= args.draw_seq < p.num_seqs:
+            raise ValueError(f"--draw-seq must be in [0, {p.num_seqs}), got {args.draw_seq}")
     except (ValueError, TypeError) as e:
         named = [(str(e).find(name), flag) for name, flag in FLAGS.items() if name in str(e)]
         hint = f" [{min(named)[1]}]" if named else ""  # the argument the message names first
         print(f"spanattn show: error: {e}{hint}", file=sys.stderr)
         return 2
     print(p.describe())
+    too_big = []
     for i in range(p.num_seqs) if args.draw_seq is None else [args.draw_seq]:
+        s = p.batch.seqs[i]
+        if s.q_len > viz.ASCII_MAX_ROWS or s.kv_len > viz.ASCII_MAX_KEYS:
+            too_big.append(str(i))
+            continue
         print()
-        try:
-            print(viz.ascii(p, i))
-        except ValueError as e:
-            print(f"(no ASCII: {e})")
+        print(viz.ascii(p, i))
+    if too_big:
+        which = "any sequence" if len(too_big) == p.num_seqs else "seq " + ", ".join(too_big)
+        limit = f"{viz.ASCII_MAX_ROWS} queries x {viz.ASCII_MAX_KEYS} keys"
+        print(f"\n(no ASCII for {which}: larger than {limit}; see the PNG)")
     if not args.no_png:
         out = Path(args.out) if args.out else Path(args.out_dir) / "mask.png"
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -72,6 +72,8 @@ def test_show_several_seqs(capsys):
         (["--q-len", "10", "--spans", "2-5,4-6"], "spans"),
         (["--q-len", "4", "--window", "0"], "window"),
         (["--q-len", "10", "--kv-len", "12", "--spans", "8-13", "--prompt-len", "20"], "allow-split-spans"),
+        (["--seq", "q=4", "--seq", "q=5,kv=3"], "--seq 1: Seq.kv_len"),
+        (["--q-len", "4", "--draw-seq", "3"], "--draw-seq"),
     ],
 )
 def test_validation_error_is_one_line_exit_2(capsys, argv, named):
