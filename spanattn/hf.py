@@ -60,8 +60,8 @@ class _State:
     def __init__(self, config, backend: str, allow_split_spans: bool):
         self.config, self.backend, self.allow_split_spans = config, backend, allow_split_spans
         self.source = span_source(config)
-        self.token_types = None
-        self._spans = {}
+        self.token_types, self._spans = None, {}
+        self.hooks, self.previous = [], None
 
     def set_token_types(self, types) -> None:
         self.token_types, self._spans = types, {}
@@ -208,14 +208,18 @@ def enable(model, *, backend: str = "auto", allow_split_spans: bool = False):
     backend: passed to :func:`spanattn.attention` (``"auto"``: triton on CUDA when available).
     allow_split_spans: a forward whose last key falls inside an image proceeds with the image
         cut there (transformers' behaviour) instead of raising.
-    Returns the model.
+    Calling it again replaces the options; :func:`disable` undoes it. Returns the model.
     """
     register()
     config = model.config.get_text_config()
-    state = _State(config, backend, allow_split_spans)
     layer_mask(config, None)  # raises now for unsupported policies
     if not getattr(config, "is_causal", True):
         raise NotImplementedError("spanattn.hf supports causal decoders only")
+    old = getattr(model, "_spanattn_state", None)
+    previous = old.previous if old else config._attn_implementation
+    disable(model)
+    state = _State(config, backend, allow_split_spans)
+    state.previous = previous
     for m in model.modules():
         m._spanattn_state = state
     config._attn_implementation = NAME
@@ -223,8 +227,25 @@ def enable(model, *, backend: str = "auto", allow_split_spans: bool = False):
     for m in model.modules():
         params = list(inspect.signature(m.forward).parameters) if arg else []
         if arg in params:
-            m.register_forward_pre_hook(_capture(state, arg, params.index(arg)), with_kwargs=True)
-            m.register_forward_hook(lambda *_: state.set_token_types(None), always_call=True)
+            state.hooks.append(
+                m.register_forward_pre_hook(_capture(state, arg, params.index(arg)), with_kwargs=True)
+            )
+            state.hooks.append(
+                m.register_forward_hook(lambda *_: state.set_token_types(None), always_call=True)
+            )
+    return model
+
+
+def disable(model):
+    """Undo :func:`enable`: hooks removed, the previous attention implementation back."""
+    state = getattr(model, "_spanattn_state", None)
+    if state is None:
+        return model
+    for handle in state.hooks:
+        handle.remove()
+    for m in model.modules():
+        m.__dict__.pop("_spanattn_state", None)
+    state.config._attn_implementation = state.previous
     return model
 
 

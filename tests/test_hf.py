@@ -203,3 +203,18 @@ def test_errors(models):
     plain.config.get_text_config()._attn_implementation = sahf.NAME
     with pytest.raises(RuntimeError, match="enable"):
         logits(plain, inputs(name))
+
+
+def test_enable_twice_then_disable(models):
+    name, eager, _, _ = models
+    model = copy.deepcopy(eager)
+    sahf.enable(sahf.enable(model), backend="reference")
+    hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
+    assert hooks == len(model._spanattn_state.hooks) // 2 > 0  # the first enable's hooks are gone
+    kw = inputs(name)
+    real = kw["attention_mask"].bool()
+    assert (logits(model, kw) - logits(eager, kw)).abs()[real].max().item() < 1e-4
+    sahf.disable(model)
+    assert model.config.get_text_config()._attn_implementation == "eager"
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 0
+    assert torch.equal(logits(model, kw), logits(eager, kw))
