@@ -156,7 +156,8 @@ def _draw_seq(ax, plan, i: int, max_pixels: int, label: str | None = None) -> No
         ax.set_yticks(range(ctx, kv))
         ax.set_xticks([k - 0.5 for k in range(kv + 1)], minor=True)
         ax.set_yticks([q - 0.5 for q in range(ctx, kv + 1)], minor=True)
-        ax.grid(which="minor", color="white", lw=0.6, zorder=2.5)
+        ax.set_axisbelow(False)  # cell grid over the image
+        ax.grid(which="minor", color="white", lw=0.6)
         ax.tick_params(which="minor", length=0)
     if ctx > 0:  # chunk boundary: keys left of it are in the cache, queries start there
         ax.axvline(ctx - 0.5, color="black", lw=1.4, zorder=3)

@@ -181,3 +181,11 @@ def test_schedule_covers_every_query_once_heaviest_first():
 @given(batch=batches(max_seqs=3, max_len=80), layer=layers(max_window=80))
 def test_random_layouts(batch, layer):
     run(batch, layer, hq=2, hkv=1, d=16)
+
+
+@pytest.mark.parametrize("one_loop", [False, True], ids=["three-loops", "one-loop"])
+def test_loop_variants_and_tile_shapes(one_loop):
+    """Both KV-walk variants, with key tiles wider than query tiles."""
+    from spanattn.backends.triton.configs import Config
+
+    run(MIXED, sa.LayerMask(window=13, spans="on"), config=Config(16, 32, 4, 1, one_loop=one_loop))

@@ -79,7 +79,7 @@ def forward(
         raise ValueError(f"kernel must be 'auto' or 'prefill', got {kernel!r}")
     kmod = _kernel_module()
     head_dim = padded_head_dim(d)
-    cfg = config or pick(d, q.dtype, kmod.INTERPRETED)
+    cfg = config or pick(d, q.dtype, kmod.INTERPRETED, plan.layer.window)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if out is None:
         out = torch.empty(total_q, hq, d, dtype=q.dtype, device=q.device)
@@ -106,7 +106,7 @@ def forward(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         SOFTCAP=bool(softcap), RETURN_LSE=return_lse, PAGED=paged, PAGE_SIZE=page_size or 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHILE_LOOPS=kmod.INTERPRETED,
-        WARP_SPEC=cfg.warp_specialize and not kmod.INTERPRETED,
+        ONE_LOOP=cfg.one_loop,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, lse

@@ -16,19 +16,29 @@ class Config:
     block_n: int
     num_warps: int
     num_stages: int
-    warp_specialize: bool = False  # the FULL loop only; needs triton >= 3.4 on Hopper/Blackwell
+    one_loop: bool = False  # one KV loop masking tiles at run time, not PARTIAL/FULL/PARTIAL loops
 
 
-# Hopper (H200) choices, tuned with benchmarks/gpu_triton.py: the K and V tiles of each stage and
-# the Q tile must fit the 227 KB of shared memory, the fp32 accumulator BLOCK_M x HEAD_DIM the
-# registers of num_warps warps.
+# Hopper (H200) choices from benchmarks/gpu_triton.py's sweep (benchmarks/results/
+# 2026-11-29-triton-h200.json): the Q tile and num_stages K+V tiles must fit 227 KB of shared
+# memory, the fp32 accumulator BLOCK_M x HEAD_DIM the registers of num_warps warps. d256 and d512
+# run faster with one KV loop (+10%): three separately pipelined loops cost more than the
+# run-time mask branch there; d128 keeps the three loops on long ranges (+2%).
 GPU_CONFIGS = {
     16: Config(128, 64, 4, 3),
     32: Config(128, 64, 4, 3),
     64: Config(128, 64, 4, 3),
     128: Config(128, 128, 8, 3),
-    256: Config(128, 64, 8, 2),
-    512: Config(64, 32, 8, 2),
+    256: Config(128, 64, 8, 2, one_loop=True),
+    512: Config(64, 32, 8, 2, one_loop=True),
+}
+
+# Sliding-window layers (window <= WINDOW_MAX): every query tile walks only a few key tiles, so
+# pipeline fills weigh more and one loop wins at every head_dim (S1: +4% d128, +10% d256).
+WINDOW_MAX = 4096
+WINDOW_CONFIGS = {
+    128: Config(128, 128, 8, 3, one_loop=True),
+    256: Config(128, 64, 8, 2, one_loop=True),
 }
 
 # Small tiles for TRITON_INTERPRET=1 (CPU tests): cheap per step and many tile edges to cross.
@@ -45,10 +55,17 @@ def padded_head_dim(d: int) -> int | None:
     return p
 
 
-def pick(head_dim: int, dtype: torch.dtype, interpreted: bool) -> Config:
+def pick(head_dim: int, dtype: torch.dtype, interpreted: bool, window: int | None = None) -> Config:
+    """The config of a layer kind: head_dim, dtype and whether its window is short; never
+    anything that changes from step to step (that would recompile)."""
     if interpreted:
         return INTERPRETER_CONFIG
-    cfg = GPU_CONFIGS[padded_head_dim(head_dim)]
+    d = padded_head_dim(head_dim)
+    short = window is not None and window <= WINDOW_MAX
+    cfg = WINDOW_CONFIGS.get(d) if short else None
+    cfg = cfg or GPU_CONFIGS[d]
     if dtype == torch.float32:  # fp32 tiles take twice the shared memory
-        cfg = Config(min(cfg.block_m, 64), min(cfg.block_n, 32), cfg.num_warps, min(cfg.num_stages, 2))
+        cfg = Config(
+            min(cfg.block_m, 64), min(cfg.block_n, 32), cfg.num_warps, min(cfg.num_stages, 2), cfg.one_loop
+        )
     return cfg

@@ -52,13 +52,15 @@ def _attend(
     offs_d,
     qk_scale,
     softcap_log2,
+    partial,
     MASKED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One KV tile of the online softmax; scores live in the log2 domain (exp2 is one MUFU op)."""
+    """One KV tile of the online softmax; scores live in the log2 domain (exp2 is one MUFU op).
+    MASKED: 0 = a FULL tile, 1 = a PARTIAL tile, 2 = decided at run time by ``partial``."""
     k_ptrs = K + rows[:, None] * stride_kt + offs_d[None, :]
     v_ptrs = V + rows[:, None] * stride_vt + offs_d[None, :]
     if HEAD_DIM != D:  # head_dim padded up to a power of two: the pad columns read as zero
@@ -74,12 +76,16 @@ def _attend(
     else:
         # Raw scores; the scale is folded into exp2's argument below (one FFMA per score).
         s_scale = qk_scale
-    if MASKED:
-        allowed = (kv_idx[None, :] >= lo[:, None]) & (kv_idx[None, :] <= hi[:, None])
-        s = tl.where(allowed, s, float("-inf"))
+    if MASKED == 1:
+        s = tl.where((kv_idx[None, :] >= lo[:, None]) & (kv_idx[None, :] <= hi[:, None]), s, float("-inf"))
+    elif MASKED == 2:
+        if partial:
+            s = tl.where(
+                (kv_idx[None, :] >= lo[:, None]) & (kv_idx[None, :] <= hi[:, None]), s, float("-inf")
+            )
     # m_i is in scaled log2 units; the scale is positive so it commutes with max.
     m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
-    if MASKED:
+    if MASKED != 0:
         # A row may have no allowed key in this tile and none seen yet: keep exp2 away from
         # (-inf) - (-inf). Unmasked tiles always hold at least one finite score per row.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -99,11 +105,11 @@ def _attend(
 
 @triton.jit
 def _walk(
-    acc, m_i, l_i, q, K, V, start, end, kv_end, k_row0, seq, BLOCK_TABLE, stride_bt,
-    lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
+    acc, m_i, l_i, q, K, V, start, end, kv_end, full_start, full_end, k_row0, seq, BLOCK_TABLE,
+    stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WHILE_LOOPS: tl.constexpr, WARP_SPEC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WHILE_LOOPS: tl.constexpr,
 ):  # fmt: skip
     """KV tiles ``[start, end)`` in steps of BLOCK_N. A ``for`` loop is what triton software-
     pipelines; the interpreter cannot take loaded scalars as ``range`` bounds under numpy >= 2.4
@@ -112,38 +118,31 @@ def _walk(
         n = start
         while n < end:
             acc, m_i, l_i = _kv_tile(
-                acc, m_i, l_i, q, K, V, n, kv_end, k_row0, seq, BLOCK_TABLE, stride_bt,
-                lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
-                MASKED, SOFTCAP, HEAD_DIM, D, PAGED, PAGE_SIZE, DOT_PRECISION,
+                acc, m_i, l_i, q, K, V, n, kv_end, full_start, full_end, k_row0, seq, BLOCK_TABLE,
+                stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
+                MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
             )  # fmt: skip
             n += BLOCK_N
-    elif WARP_SPEC and not MASKED:
-        # Hopper/Blackwell warp specialization (triton >= 3.4): loads in a producer warp.
-        for n in tl.range(start, end, BLOCK_N, warp_specialize=True):
-            acc, m_i, l_i = _kv_tile(
-                acc, m_i, l_i, q, K, V, n, kv_end, k_row0, seq, BLOCK_TABLE, stride_bt,
-                lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
-                MASKED, SOFTCAP, HEAD_DIM, D, PAGED, PAGE_SIZE, DOT_PRECISION,
-            )  # fmt: skip
     else:
         for n in range(start, end, BLOCK_N):
             acc, m_i, l_i = _kv_tile(
-                acc, m_i, l_i, q, K, V, n, kv_end, k_row0, seq, BLOCK_TABLE, stride_bt,
-                lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
-                MASKED, SOFTCAP, HEAD_DIM, D, PAGED, PAGE_SIZE, DOT_PRECISION,
+                acc, m_i, l_i, q, K, V, n, kv_end, full_start, full_end, k_row0, seq, BLOCK_TABLE,
+                stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
+                MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
             )  # fmt: skip
     return acc, m_i, l_i
 
 
 @triton.jit
 def _kv_tile(
-    acc, m_i, l_i, q, K, V, n, kv_end, k_row0, seq, BLOCK_TABLE, stride_bt,
-    lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
+    acc, m_i, l_i, q, K, V, n, kv_end, full_start, full_end, k_row0, seq, BLOCK_TABLE,
+    stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     kv_idx = n + offs_n
-    if MASKED:
+    partial = (n < full_start) | (n + BLOCK_N > full_end)
+    if MASKED != 0:
         # Clamping the address (not the mask) keeps every load in bounds without load masks.
         pos = tl.minimum(kv_idx, kv_end - 1)
     else:
@@ -151,7 +150,7 @@ def _kv_tile(
     rows = _kv_rows(pos, k_row0, seq, BLOCK_TABLE, stride_bt, PAGED, PAGE_SIZE)
     return _attend(
         acc, m_i, l_i, q, K, V, rows, kv_idx, lo, hi, stride_kt, stride_vt, offs_d,
-        qk_scale, softcap_log2, MASKED, SOFTCAP, HEAD_DIM, D, DOT_PRECISION,
+        qk_scale, softcap_log2, partial, MASKED, SOFTCAP, HEAD_DIM, D, DOT_PRECISION,
     )  # fmt: skip
 
 
@@ -192,7 +191,7 @@ def attn_fwd(
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WHILE_LOOPS: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
+    ONE_LOOP: tl.constexpr,
 ):
     # Heads vary fastest so that all heads of one (heavy, LPT-ordered) tile run together and
     # share its K/V tiles through L2.
@@ -236,24 +235,33 @@ def attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    # PARTIAL tiles before the FULL range (sliding windows, non-causal rows, span starts).
-    acc, m_i, l_i = _walk(
-        acc, m_i, l_i, q, K, V, kv_start, full_start, kv_end, k_row0, seq, BLOCK_TABLE, stride_bt,
-        lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
-        True, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, WARP_SPEC,
-    )  # fmt: skip
-    # FULL tiles: every (row, key) pair allowed and in bounds.
-    acc, m_i, l_i = _walk(
-        acc, m_i, l_i, q, K, V, full_start, full_end, kv_end, k_row0, seq, BLOCK_TABLE, stride_bt,
-        lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
-        False, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, WARP_SPEC,
-    )  # fmt: skip
-    # PARTIAL tiles after it (the causal diagonal, span ends, chunk ends).
-    acc, m_i, l_i = _walk(
-        acc, m_i, l_i, q, K, V, full_end, kv_end, kv_end, k_row0, seq, BLOCK_TABLE, stride_bt,
-        lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
-        True, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, WARP_SPEC,
-    )  # fmt: skip
+    if ONE_LOOP:
+        # One pipelined loop, each tile masked or not at run time: fewer pipeline fills when
+        # a tile's key range is only a few tiles long (sliding windows).
+        acc, m_i, l_i = _walk(
+            acc, m_i, l_i, q, K, V, kv_start, kv_end, kv_end, full_start, full_end, k_row0, seq,
+            BLOCK_TABLE, stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale,
+            softcap_log2, 2, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
+        )  # fmt: skip
+    else:
+        # PARTIAL tiles before the FULL range (sliding windows, non-causal rows, span starts).
+        acc, m_i, l_i = _walk(
+            acc, m_i, l_i, q, K, V, kv_start, full_start, kv_end, full_start, full_end, k_row0, seq,
+            BLOCK_TABLE, stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale,
+            softcap_log2, 1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
+        )  # fmt: skip
+        # FULL tiles: every (row, key) pair allowed and in bounds.
+        acc, m_i, l_i = _walk(
+            acc, m_i, l_i, q, K, V, full_start, full_end, kv_end, full_start, full_end, k_row0, seq,
+            BLOCK_TABLE, stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale,
+            softcap_log2, 0, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
+        )  # fmt: skip
+        # PARTIAL tiles after it (the causal diagonal, span ends, chunk ends).
+        acc, m_i, l_i = _walk(
+            acc, m_i, l_i, q, K, V, full_end, kv_end, kv_end, full_start, full_end, k_row0, seq,
+            BLOCK_TABLE, stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale,
+            softcap_log2, 1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
+        )  # fmt: skip
 
     # Every row allows k = q, so l_i > 0 for stored rows.
     acc = acc / l_i[:, None]

@@ -1,0 +1,344 @@
+"""Check and time the triton backend on one GPU in one call (kernel development; the general
+benchmark is ``spanattn bench``).
+
+    python benchmarks/gpu_triton.py --parts check,count,sweep,bench,peers --out $OUT/triton.json
+
+check: correctness grid (bf16/fp16, D 64..512, GQA 1/2/8, windows, span modes, mixed batches)
+    with NaN-poisoned outputs and the rule err(triton) <= 2 * err(same-dtype reference) + 1e-4.
+count: kernel compilations over 100 random steps (lengths, spans, flags, batch size change).
+sweep: candidate tile configs per head_dim on S0 (S5 for d512); the best is used by bench.
+bench: scenarios S0-S5 with our kernel; peers: compiled FlexAttention (plus its per-step
+    create_block_mask) and SDPA. TFLOP/s = 4 * D * Hq * allowed pairs / time (FA3/FA4 rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+import spanattn as sa
+from spanattn.backends import reference
+from spanattn.backends import triton as tb
+from spanattn.backends.triton import configs as tcfg
+from spanattn.backends.triton import kernel as tk
+from spanattn.backends.triton.schedule import build_schedule
+from spanattn.scenarios import HKV, HQ, scenarios
+
+DEV = "cuda"
+# (BLOCK_M, BLOCK_N, num_warps, num_stages[, one_loop]) per (head_dim, scenario): S0 tunes the
+# long-range default, S1 the sliding-window table, S5 d512.
+CANDIDATES = {
+    (64, "S0"): [(128, 64, 4, 3)],
+    (128, "S0"): [
+        (128, 128, 8, 3),
+        (128, 128, 8, 3, True),
+        (256, 64, 16, 3),
+        (256, 128, 16, 2),
+        (128, 64, 8, 3),
+    ],
+    (128, "S1"): [
+        (128, 128, 8, 3),
+        (128, 64, 8, 3),
+        (128, 128, 8, 3, True),
+        (128, 64, 8, 3, True),
+        (64, 64, 4, 3),
+    ],
+    (256, "S0"): [(128, 64, 8, 2), (128, 64, 8, 2, True), (256, 32, 16, 2)],
+    (256, "S1"): [(128, 64, 8, 2), (128, 64, 8, 2, True), (64, 64, 4, 3)],
+    (512, "S5"): [(64, 32, 8, 2), (64, 32, 8, 2, True), (64, 16, 8, 3)],
+}
+
+
+def rand_qkv(p, hq, hkv, d, dtype):
+    g = lambda n, h: torch.randn(n, h, d, device=DEV, dtype=dtype)
+    return g(p.total_q, hq), g(p.total_k, hkv), g(p.total_k, hkv)
+
+
+def check_one(batch, layer, dtype, d, hq, hkv, softcap=None, config=None):
+    p = sa.plan(batch, layer, device=DEV)
+    q, k, v = rand_qkv(p, hq, hkv, d, dtype)
+    scale = d**-0.5
+    out = torch.full_like(q, float("nan"))
+    out, lse = tb.forward(q, k, v, p, scale=scale, softcap=softcap, return_lse=True, out=out, config=config)
+    truth, tlse = reference.forward(
+        q, k, v, p, scale=scale, softcap=softcap, return_lse=True, compute_dtype=torch.float64
+    )
+    same, _ = reference.forward(q, k, v, p, scale=scale, softcap=softcap, compute_dtype=dtype)
+    err = (out.double() - truth).abs().max().item()
+    err_ref = (same.double() - truth).abs().max().item()
+    err_lse = (lse.double() - tlse).abs().max().item()
+    ok = err == err and err <= 2 * err_ref + 1e-4 and err_lse <= 1e-3 and not out.isnan().any().item()
+    return {"err": err, "err_ref": err_ref, "err_lse": err_lse, "ok": bool(ok)}
+
+
+def grid_batches():
+    mixed = sa.Batch(
+        [
+            sa.Seq(q_len=700, kv_len=1300, spans=[(150, 449), (1000, 1199)]),
+            sa.Seq(q_len=1, kv_len=517),
+            sa.Seq(q_len=129, kv_len=129, spans=[(64, 127)]),
+            sa.Seq(q_len=200, kv_len=333, causal=False),
+            sa.Seq(q_len=1, kv_len=1),
+        ]
+    )
+    layers = {
+        "causal": sa.LayerMask(spans="off"),
+        "on": sa.LayerMask(spans="on"),
+        "W37_clamp": sa.LayerMask(window=37, spans="clamp"),
+        "W200_on": sa.LayerMask(window=200, spans="on"),
+        "W1": sa.LayerMask(window=1),
+    }
+    return mixed, layers
+
+
+def part_check(res):
+    mixed, layers = grid_batches()
+    rows = []
+    cases = [
+        (torch.bfloat16, d, hq, hkv) for d in (64, 128, 256, 512) for hq, hkv in ((8, 8), (8, 4), (16, 2))
+    ]
+    cases += [(torch.float16, d, 8, 4) for d in (64, 128, 256, 512)] + [(torch.bfloat16, 96, 8, 4)]
+    for dtype, d, hq, hkv in cases:
+        for lname, layer in layers.items():
+            r = check_one(mixed, layer, dtype, d, hq, hkv)
+            rows.append({"dtype": str(dtype), "d": d, "hq": hq, "hkv": hkv, "layer": lname, **r})
+    for d in (128, 256):
+        r = check_one(mixed, layers["W200_on"], torch.bfloat16, d, 8, 4, softcap=30.0)
+        rows.append({"dtype": "bf16", "d": d, "hq": 8, "hkv": 4, "layer": "W200_on+softcap", **r})
+        for lname in ("causal", "W37_clamp"):  # the one-loop walk, whatever the sweep picked
+            r = check_one(
+                mixed, layers[lname], torch.bfloat16, d, 8, 4, config=tcfg.Config(128, 64, 8, 2, True)
+            )
+            rows.append({"dtype": "bf16", "d": d, "hq": 8, "hkv": 4, "layer": lname + "+one_loop", **r})
+    bad = [r for r in rows if not r["ok"]]
+    print(f"check: {len(rows) - len(bad)}/{len(rows)} ok; worst err {max(r['err'] for r in rows):.3g}")
+    for r in bad:
+        print("  FAIL", r)
+    res["check"] = {"cases": len(rows), "failed": len(bad), "rows": rows}
+
+
+def compile_count():
+    caches = getattr(tk.attn_fwd, "device_caches", {})
+    return sum(len(c[0]) for c in caches.values())
+
+
+def random_batch(rng):
+    seqs = []
+    for _ in range(rng.randint(1, 6)):
+        kv = rng.randint(1, 3000)
+        qn = rng.choice([1, rng.randint(1, kv)])
+        spans, pos = [], rng.randint(0, 300)
+        while pos + 10 < kv and rng.random() < 0.7:
+            ln = rng.randint(1, 400)
+            spans.append((pos, min(pos + ln, kv - 1)))
+            pos += ln + rng.randint(1, 500)
+        seqs.append(sa.Seq(q_len=qn, kv_len=kv, spans=spans, causal=rng.random() < 0.7))
+    return sa.Batch(seqs)
+
+
+def part_count(res):
+    rng = random.Random(0)
+    q_w = torch.randn(20000, HQ, 128, device=DEV, dtype=torch.bfloat16)
+    kv_w = torch.randn(20000, HKV, 128, device=DEV, dtype=torch.bfloat16)
+    layers = [sa.LayerMask(window=1024, spans="clamp"), sa.LayerMask(spans="on")]
+    before = compile_count()
+    for step in range(100):
+        p = sa.plan(random_batch(rng), layers[step % 2], device=DEV)
+        tb.forward(q_w[: p.total_q], kv_w[: p.total_k], kv_w[: p.total_k], p, scale=0.1)
+    torch.cuda.synchronize()
+    n = compile_count() - before
+    print(f"count: {n} compilations over 100 random steps (bf16 d128, Hq {HQ}/Hkv {HKV})")
+    res["compilations_100_steps"] = n
+
+
+def tflops(p, d, ms):
+    return 4 * d * HQ * p.allowed_pairs() / (ms * 1e-3) / 1e12
+
+
+def time_ours(sc, d, config=None):
+    p = sa.plan(sc.batch, sc.layer, device=DEV)
+    q, k, v = rand_qkv(p, HQ, HKV, d, torch.bfloat16)
+    fn = lambda: tb.forward(q, k, v, p, scale=d**-0.5, config=config)
+    fn()
+    ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return p, ms
+
+
+def part_sweep(res):
+    sc = scenarios()
+    best = {}
+    res["sweep"] = []
+    for (d, sid), cands in CANDIDATES.items():
+        for c in cands:
+            cfg = tcfg.Config(*c)
+            try:
+                p, ms = time_ours(sc[sid], d, cfg)
+                tf = tflops(p, d, ms)
+            except Exception as e:  # out of shared memory / registers: skip the config
+                print(f"sweep d{d} {sid} {c}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            print(f"sweep d{d} {sid} {c}: {ms:.3f} ms {tf:.0f} TFLOP/s", flush=True)
+            res["sweep"].append({"d": d, "config": c, "scenario": sid, "ms": ms, "tflops": tf})
+            if (d, sid) not in best or ms < best[d, sid][1]:
+                best[d, sid] = (cfg, ms)
+    for (d, sid), (cfg, _) in best.items():
+        (tcfg.WINDOW_CONFIGS if sid == "S1" else tcfg.GPU_CONFIGS)[d] = cfg
+    res["best_configs"] = {f"d{d} {sid}": list(c.__dict__.values()) for (d, sid), (c, _) in best.items()}
+    print("best", res["best_configs"])
+
+
+def plan_ms(sc, block_m):
+    """Host wall time (ms, median of 5) of ``sa.plan`` and of our tile schedule on top of it."""
+    ts = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        p = sa.plan(sc.batch, sc.layer, device=DEV)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        build_schedule(p, block_m)
+        torch.cuda.synchronize()
+        ts.append(((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
+    ts = ts[1:]
+    return sorted(t[0] for t in ts)[2], sorted(t[1] for t in ts)[2]
+
+
+def flex_time(p, d, q, k, v):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q_lens = torch.tensor([s.q_len for s in p.batch.seqs], device=DEV)
+    kv_lens = p.seq_lens.long()
+    seq_q = torch.repeat_interleave(torch.arange(p.num_seqs, device=DEV), q_lens)
+    seq_k = torch.repeat_interleave(torch.arange(p.num_seqs, device=DEV), kv_lens)
+    cu_k, lo, hi = p.cu_seqlens_k, p.lo, p.hi
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        s = seq_q[q_idx]
+        kl = kv_idx - cu_k[s]
+        return (seq_k[kv_idx] == s) & (kl >= lo[q_idx]) & (kl <= hi[q_idx])
+
+    build = lambda: create_block_mask(mask_mod, 1, None, p.total_q, p.total_k, device=DEV)
+    bm = build()
+    ts = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        bm = build()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t) * 1e3)
+    fc = torch.compile(flex_attention, dynamic=False)
+    qf, kf, vf = (x.transpose(0, 1)[None] for x in (q, k, v))
+    fn = lambda: fc(qf, kf, vf, block_mask=bm, enable_gqa=True, scale=d**-0.5)
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - t
+    return do_bench(fn, warmup=25, rep=100, return_mode="median"), sorted(ts)[1], compile_s
+
+
+def sdpa_time(sc, p, d, q, k, v):
+    qf, kf, vf = (x.transpose(0, 1)[None] for x in (q, k, v))
+    if sc.layer.spans == "off" and sc.layer.window is None and p.num_seqs == 1:
+        fn = lambda: F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, enable_gqa=True)
+        kind = "sdpa causal"
+    else:
+        cu_q, cu_k = p.cu_seqlens_q.tolist(), p.cu_seqlens_k.tolist()
+        masks = [p.to_dense(i) for i in range(p.num_seqs)]
+        parts = [
+            (
+                qf[:, :, cu_q[i] : cu_q[i + 1]],
+                kf[:, :, cu_k[i] : cu_k[i + 1]],
+                vf[:, :, cu_k[i] : cu_k[i + 1]],
+                m,
+            )
+            for i, m in enumerate(masks)
+        ]
+        fn = lambda: [
+            F.scaled_dot_product_attention(a, b, c, attn_mask=m, enable_gqa=True) for a, b, c, m in parts
+        ]
+        kind = "sdpa dense mask"
+    fn()
+    return do_bench(fn, warmup=10, rep=60, return_mode="median"), kind
+
+
+def part_bench(res, peers):
+    res["bench"] = []
+    for sid, sc in scenarios().items():
+        if sc.decode:
+            continue
+        for d in sc.head_dims:
+            cfg = tcfg.pick(d, torch.bfloat16, False, sc.layer.window)
+            p, ms = time_ours(sc, d)
+            row = {"scenario": sid, "d": d, "config": list(cfg.__dict__.values()), "ours_ms": ms,
+                   "ours_tflops": tflops(p, d, ms)}  # fmt: skip
+            row["plan_ms"], row["schedule_ms"] = plan_ms(sc, cfg.block_m)
+            if peers:
+                q, k, v = rand_qkv(p, HQ, HKV, d, torch.bfloat16)
+                try:
+                    fms, bm_ms, cs = flex_time(p, d, q, k, v)
+                    row.update(
+                        flex_ms=fms,
+                        flex_tflops=tflops(p, d, fms),
+                        flex_block_mask_ms=bm_ms,
+                        flex_compile_s=cs,
+                    )
+                except Exception as e:
+                    row["flex_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                try:
+                    sms, kind = sdpa_time(sc, p, d, q, k, v)
+                    row.update(sdpa_ms=sms, sdpa_tflops=tflops(p, d, sms), sdpa_kind=kind)
+                except Exception as e:
+                    row["sdpa_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                del q, k, v
+                torch.cuda.empty_cache()
+            print(
+                "bench", {a: (round(b, 3) if isinstance(b, float) else b) for a, b in row.items()}, flush=True
+            )
+            res["bench"].append(row)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="check,count,sweep,bench,peers")
+    ap.add_argument("--out", default="triton.json")
+    a = ap.parse_args()
+    parts = a.parts.split(",")
+    res = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "flops_rule": "4 * D * Hq * allowed pairs (FA3/FA4 convention), bf16, Hq=16, Hkv=8",
+    }
+    t0 = time.time()
+    # The sweep goes first so that the check covers the configs the bench will run.
+    for name, fn in (("sweep", part_sweep), ("check", part_check), ("count", part_count)):
+        if name in parts:
+            fn(res)
+            print(f"[{name} done at {time.time() - t0:.0f} s]", flush=True)
+    if "bench" in parts:
+        part_bench(res, "peers" in parts)
+        print(f"[bench done at {time.time() - t0:.0f} s]", flush=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    for r in res.get("bench", []):
+        line = f"{r['scenario']} d{r['d']}: ours {r['ours_ms']:.3f} ms {r['ours_tflops']:.0f} TF"
+        if "flex_ms" in r:
+            line += f" | flex {r['flex_ms']:.3f} ms {r['flex_tflops']:.0f} TF"
+            line += f" (+bm {r['flex_block_mask_ms']:.1f} ms)"
+            line += f" x{r['flex_ms'] / r['ours_ms']:.2f}"
+        if "sdpa_ms" in r:
+            line += f" | {r['sdpa_kind']} {r['sdpa_tflops']:.0f} TF"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
