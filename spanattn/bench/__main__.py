@@ -5,6 +5,7 @@ import sys
 
 from . import add_arguments, main
 
-parser = argparse.ArgumentParser(prog="python -m spanattn.bench", description=__doc__)
-add_arguments(parser)
-sys.exit(main(parser.parse_args()))
+if __name__ == "__main__":  # not when a doctest collector imports every module
+    parser = argparse.ArgumentParser(prog="python -m spanattn.bench", description=__doc__)
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))
