@@ -78,6 +78,8 @@ def _run_item(item: Item, sc, small, d, plan, qkv, dtype, device, check: bool) -
     if why is not None:
         return {"status": "skipped", "reason": why}
     row = {"exact_mask": bool(item.exact(sc))}
+    if item.note:
+        row["note"] = item.note
     if not item.exact(sc):
         row["note"] = "speed of light: built-in mask without spans, not checked"
     elif check:

@@ -28,6 +28,7 @@ class Item:
     make: Callable  # (plan, q, k, v, scale) -> () -> out [total_q, Hq, D]
     planning: Callable | None  # (scenario, device) -> () -> None, one step's planning
     exact: Callable = lambda sc: True  # does it compute the scenario's mask?
+    note: str | None = None
 
 
 def backend_item(name: str) -> Item:
@@ -47,7 +48,10 @@ def backend_item(name: str) -> Item:
 
         return step
 
-    return Item(name, "spanattn", lambda sc, plan, q: mod.unavailable(q, plan, scale=1.0), make, planning)
+    # without prepare() planning counts spanattn.plan only; the row says so
+    note = None if prepare else "planning = spanattn.plan only (the backend has no prepare())"
+    unavailable = lambda sc, plan, q: mod.unavailable(q, plan, scale=1.0)
+    return Item(name, "spanattn", unavailable, make, planning, note=note)
 
 
 def _interval_mask_mod(plan):
