@@ -151,6 +151,8 @@ def _plan(step: StepMask, state: _State, layer: sa.LayerMask, b: int, sq: int, s
 def _pack(x: torch.Tensor, rows, dense: bool, col: int) -> torch.Tensor:
     """``[B, H, S, D]`` to varlen ``[tokens, H, D]`` keeping each row from its first real token."""
     b, h, s, d = x.shape
+    if dense and b == 1:  # a strided view, no copy: backends take any token/head strides
+        return x[0].transpose(0, 1)
     if dense:
         return x.transpose(1, 2).reshape(b * s, h, d)
     return torch.cat([x[r[0], :, r[col] :].transpose(0, 1) for r in rows])
