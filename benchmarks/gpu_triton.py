@@ -53,7 +53,14 @@ CANDIDATES = {
     ],
     (256, "S0"): [(128, 64, 8, 2), (128, 64, 8, 2, True), (256, 32, 16, 2)],
     (256, "S1"): [(128, 64, 8, 2), (128, 64, 8, 2, True), (64, 64, 4, 3)],
-    (512, "S5"): [(64, 32, 8, 2), (64, 32, 8, 2, True), (64, 16, 8, 3)],
+    (512, "S5"): [
+        (64, 32, 8, 2),
+        (64, 32, 8, 2, True),
+        (128, 32, 8, 2, True, 2),
+        (128, 16, 8, 3, True, 2),
+        (128, 32, 8, 2, False, 2),
+        (64, 32, 4, 3, True, 2),
+    ],
 }
 
 
@@ -99,18 +106,17 @@ def grid_batches():
     return mixed, layers
 
 
-def part_check(res):
+def part_check(res, dims=(64, 96, 128, 256, 512)):
     mixed, layers = grid_batches()
     rows = []
-    cases = [
-        (torch.bfloat16, d, hq, hkv) for d in (64, 128, 256, 512) for hq, hkv in ((8, 8), (8, 4), (16, 2))
-    ]
-    cases += [(torch.float16, d, 8, 4) for d in (64, 128, 256, 512)] + [(torch.bfloat16, 96, 8, 4)]
+    main = [d for d in dims if d != 96]
+    cases = [(torch.bfloat16, d, hq, hkv) for d in main for hq, hkv in ((8, 8), (8, 4), (16, 2))]
+    cases += [(torch.float16, d, 8, 4) for d in main] + [(torch.bfloat16, 96, 8, 4)] * (96 in dims)
     for dtype, d, hq, hkv in cases:
         for lname, layer in layers.items():
             r = check_one(mixed, layer, dtype, d, hq, hkv)
             rows.append({"dtype": str(dtype), "d": d, "hq": hq, "hkv": hkv, "layer": lname, **r})
-    for d in (128, 256):
+    for d in [d for d in (128, 256) if d in dims]:
         r = check_one(mixed, layers["W200_on"], torch.bfloat16, d, 8, 4, softcap=30.0)
         rows.append({"dtype": "bf16", "d": d, "hq": 8, "hkv": 4, "layer": "W200_on+softcap", **r})
         for lname in ("causal", "W37_clamp"):  # the one-loop walk, whatever the sweep picked
@@ -118,6 +124,11 @@ def part_check(res):
                 mixed, layers[lname], torch.bfloat16, d, 8, 4, config=tcfg.Config(128, 64, 8, 2, True)
             )
             rows.append({"dtype": "bf16", "d": d, "hq": 8, "hkv": 4, "layer": lname + "+one_loop", **r})
+    if 512 in dims:  # split output columns, whatever the sweep picked
+        for lname in ("causal", "W37_clamp"):
+            cfg = tcfg.Config(128, 16, 8, 3, True, 2)
+            r = check_one(mixed, layers[lname], torch.bfloat16, 512, 8, 4, config=cfg)
+            rows.append({"dtype": "bf16", "d": 512, "hq": 8, "hkv": 4, "layer": lname + "+dv_split", **r})
     bad = [r for r in rows if not r["ok"]]
     print(f"check: {len(rows) - len(bad)}/{len(rows)} ok; worst err {max(r['err'] for r in rows):.3g}")
     for r in bad:
@@ -172,11 +183,13 @@ def time_ours(sc, d, config=None):
     return p, ms
 
 
-def part_sweep(res):
+def part_sweep(res, dims=(64, 128, 256, 512)):
     sc = scenarios()
     best = {}
     res["sweep"] = []
     for (d, sid), cands in CANDIDATES.items():
+        if d not in dims:
+            continue
         for c in cands:
             cfg = tcfg.Config(*c)
             try:
@@ -269,10 +282,10 @@ def sdpa_time(sc, p, d, q, k, v):
     return do_bench(fn, warmup=10, rep=60, return_mode="median"), kind
 
 
-def part_bench(res, peers):
+def part_bench(res, peers, only=None):
     res["bench"] = []
     for sid, sc in scenarios().items():
-        if sc.decode:
+        if sc.decode or (only and sid not in only):
             continue
         for d in sc.head_dims:
             cfg = tcfg.pick(d, torch.bfloat16, False, sc.layer.window)
@@ -309,6 +322,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="check,count,sweep,bench,peers")
     ap.add_argument("--out", default="triton.json")
+    ap.add_argument("--dims", default="64,96,128,256,512", help="head_dims to sweep and check")
+    ap.add_argument("--scenarios", default="", help="comma-separated ids to bench (default all)")
     a = ap.parse_args()
     parts = a.parts.split(",")
     res = {
@@ -320,12 +335,18 @@ def main():
     }
     t0 = time.time()
     # The sweep goes first so that the check covers the configs the bench will run.
-    for name, fn in (("sweep", part_sweep), ("check", part_check), ("count", part_count)):
+    dims = tuple(int(x) for x in a.dims.split(","))
+    steps = (
+        ("sweep", lambda r: part_sweep(r, dims)),
+        ("check", lambda r: part_check(r, dims)),
+        ("count", part_count),
+    )
+    for name, fn in steps:
         if name in parts:
             fn(res)
             print(f"[{name} done at {time.time() - t0:.0f} s]", flush=True)
     if "bench" in parts:
-        part_bench(res, "peers" in parts)
+        part_bench(res, "peers" in parts, [x for x in a.scenarios.split(",") if x])
         print(f"[bench done at {time.time() - t0:.0f} s]", flush=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)

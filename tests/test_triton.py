@@ -183,9 +183,14 @@ def test_random_layouts(batch, layer):
     run(batch, layer, hq=2, hkv=1, d=16)
 
 
-@pytest.mark.parametrize("one_loop", [False, True], ids=["three-loops", "one-loop"])
-def test_loop_variants_and_tile_shapes(one_loop):
-    """Both KV-walk variants, with key tiles wider than query tiles."""
+@pytest.mark.parametrize(
+    "one_loop, dv_split, d",
+    [(False, 1, 32), (True, 1, 32), (False, 2, 32), (True, 2, 48)],
+    ids=["three-loops", "one-loop", "dv-split", "one-loop-dv-split-padded"],
+)
+def test_loop_variants_and_tile_shapes(one_loop, dv_split, d):
+    """Both KV-walk variants and split output columns, with key tiles wider than query tiles."""
     from spanattn.backends.triton.configs import Config
 
-    run(MIXED, sa.LayerMask(window=13, spans="on"), config=Config(16, 32, 4, 1, one_loop=one_loop))
+    cfg = Config(16, 32, 4, 1, one_loop=one_loop, dv_split=dv_split)
+    run(MIXED, sa.LayerMask(window=13, spans="on"), d=d, config=cfg)

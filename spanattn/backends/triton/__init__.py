@@ -94,7 +94,7 @@ def forward(
         qk_scale, softcap_log2 = scale / softcap, softcap * LOG2E
     else:
         qk_scale, softcap_log2 = scale * LOG2E, 1.0
-    grid = (sched.num_tiles * hq,)
+    grid = (sched.num_tiles * hq * cfg.dv_split,)
     kmod.attn_fwd[grid](
         q, k, v, out, lse if return_lse else out,
         plan.lo, plan.hi, plan.cu_seqlens_q, plan.cu_seqlens_k,
@@ -106,7 +106,7 @@ def forward(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         SOFTCAP=bool(softcap), RETURN_LSE=return_lse, PAGED=paged, PAGE_SIZE=page_size or 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHILE_LOOPS=kmod.INTERPRETED,
-        ONE_LOOP=cfg.one_loop,
+        ONE_LOOP=cfg.one_loop, DV_SPLIT=cfg.dv_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, lse

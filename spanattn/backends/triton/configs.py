@@ -17,20 +17,23 @@ class Config:
     num_warps: int
     num_stages: int
     one_loop: bool = False  # one KV loop masking tiles at run time, not PARTIAL/FULL/PARTIAL loops
+    dv_split: int = 1  # programs sharing a query tile, each computing 1/dv_split of the output columns
 
 
 # Hopper (H200) choices from benchmarks/gpu_triton.py's sweep (benchmarks/results/
 # 2026-11-29-triton-h200.json): the Q tile and num_stages K+V tiles must fit 227 KB of shared
 # memory, the fp32 accumulator BLOCK_M x HEAD_DIM the registers of num_warps warps. d256 and d512
 # run faster with one KV loop (+10%): three separately pipelined loops cost more than the
-# run-time mask branch there; d128 keeps the three loops on long ranges (+2%).
+# run-time mask branch there; d128 keeps the three loops on long ranges (+2%). d512 splits the
+# output columns over two programs (128 x 256 accumulators): 1.5x the FLOPs, +27% speed
+# (results/2026-11-29-triton-h200-d512.json).
 GPU_CONFIGS = {
     16: Config(128, 64, 4, 3),
     32: Config(128, 64, 4, 3),
     64: Config(128, 64, 4, 3),
     128: Config(128, 128, 8, 3),
     256: Config(128, 64, 8, 2, one_loop=True),
-    512: Config(64, 32, 8, 2, one_loop=True),
+    512: Config(128, 32, 8, 2, one_loop=True, dv_split=2),
 }
 
 # Sliding-window layers (window <= WINDOW_MAX): every query tile walks only a few key tiles, so
@@ -66,6 +69,11 @@ def pick(head_dim: int, dtype: torch.dtype, interpreted: bool, window: int | Non
     cfg = cfg or GPU_CONFIGS[d]
     if dtype == torch.float32:  # fp32 tiles take twice the shared memory
         cfg = Config(
-            min(cfg.block_m, 64), min(cfg.block_n, 32), cfg.num_warps, min(cfg.num_stages, 2), cfg.one_loop
+            min(cfg.block_m, 64),
+            min(cfg.block_n, 32),
+            cfg.num_warps,
+            min(cfg.num_stages, 2),
+            cfg.one_loop,
+            cfg.dv_split,
         )
     return cfg

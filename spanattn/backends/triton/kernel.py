@@ -50,6 +50,7 @@ def _attend(
     stride_kt,
     stride_vt,
     offs_d,
+    offs_dv,
     qk_scale,
     softcap_log2,
     partial,
@@ -62,7 +63,7 @@ def _attend(
     """One KV tile of the online softmax; scores live in the log2 domain (exp2 is one MUFU op).
     MASKED: 0 = a FULL tile, 1 = a PARTIAL tile, 2 = decided at run time by ``partial``."""
     k_ptrs = K + rows[:, None] * stride_kt + offs_d[None, :]
-    v_ptrs = V + rows[:, None] * stride_vt + offs_d[None, :]
+    v_ptrs = V + rows[:, None] * stride_vt + offs_dv[None, :]
     if HEAD_DIM != D:  # head_dim padded up to a power of two: the pad columns read as zero
         k = tl.load(k_ptrs, mask=offs_d[None, :] < D, other=0.0)
     else:
@@ -96,7 +97,7 @@ def _attend(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if HEAD_DIM != D:
-        v = tl.load(v_ptrs, mask=offs_d[None, :] < D, other=0.0)
+        v = tl.load(v_ptrs, mask=offs_dv[None, :] < D, other=0.0)
     else:
         v = tl.load(v_ptrs)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -106,7 +107,7 @@ def _attend(
 @triton.jit
 def _walk(
     acc, m_i, l_i, q, K, V, start, end, kv_end, full_start, full_end, k_row0, seq, BLOCK_TABLE,
-    stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
+    stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WHILE_LOOPS: tl.constexpr,
@@ -119,7 +120,7 @@ def _walk(
         while n < end:
             acc, m_i, l_i = _kv_tile(
                 acc, m_i, l_i, q, K, V, n, kv_end, full_start, full_end, k_row0, seq, BLOCK_TABLE,
-                stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
+                stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
                 MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
             )  # fmt: skip
             n += BLOCK_N
@@ -127,7 +128,7 @@ def _walk(
         for n in range(start, end, BLOCK_N):
             acc, m_i, l_i = _kv_tile(
                 acc, m_i, l_i, q, K, V, n, kv_end, full_start, full_end, k_row0, seq, BLOCK_TABLE,
-                stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
+                stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
                 MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
             )  # fmt: skip
     return acc, m_i, l_i
@@ -136,7 +137,7 @@ def _walk(
 @triton.jit
 def _kv_tile(
     acc, m_i, l_i, q, K, V, n, kv_end, full_start, full_end, k_row0, seq, BLOCK_TABLE,
-    stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale, softcap_log2,
+    stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -149,7 +150,7 @@ def _kv_tile(
         pos = kv_idx
     rows = _kv_rows(pos, k_row0, seq, BLOCK_TABLE, stride_bt, PAGED, PAGE_SIZE)
     return _attend(
-        acc, m_i, l_i, q, K, V, rows, kv_idx, lo, hi, stride_kt, stride_vt, offs_d,
+        acc, m_i, l_i, q, K, V, rows, kv_idx, lo, hi, stride_kt, stride_vt, offs_d, offs_dv,
         qk_scale, softcap_log2, partial, MASKED, SOFTCAP, HEAD_DIM, D, DOT_PRECISION,
     )  # fmt: skip
 
@@ -192,10 +193,16 @@ def attn_fwd(
     DOT_PRECISION: tl.constexpr,
     WHILE_LOOPS: tl.constexpr,
     ONE_LOOP: tl.constexpr,
+    DV_SPLIT: tl.constexpr,
 ):
     # Heads vary fastest so that all heads of one (heavy, LPT-ordered) tile run together and
     # share its K/V tiles through L2.
     pid = tl.program_id(0)
+    # DV_SPLIT programs share one (tile, head), each owning HEAD_DIM // DV_SPLIT output columns:
+    # they recompute the scores (1.5x the FLOPs at 2) but hold half the fp32 accumulator, which
+    # is what lets d512 run 128-query tiles on 8 warps.
+    dv_part = pid % DV_SPLIT
+    pid = pid // DV_SPLIT
     tile = pid // HQ
     head = pid % HQ
     kv_head = head // GROUP
@@ -209,6 +216,7 @@ def attn_fwd(
     offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = dv_part * (HEAD_DIM // DV_SPLIT) + tl.arange(0, HEAD_DIM // DV_SPLIT)
     row_ok = offs_m < q_len
     # Rows past the sequence end copy the last row's interval: they compute a harmless duplicate
     # (never stored) instead of an empty row, and do not widen the tile's key range.
@@ -233,41 +241,41 @@ def attn_fwd(
     V += kv_head * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM // DV_SPLIT], dtype=tl.float32)
 
     if ONE_LOOP:
         # One pipelined loop, each tile masked or not at run time: fewer pipeline fills when
         # a tile's key range is only a few tiles long (sliding windows).
         acc, m_i, l_i = _walk(
             acc, m_i, l_i, q, K, V, kv_start, kv_end, kv_end, full_start, full_end, k_row0, seq,
-            BLOCK_TABLE, stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale,
+            BLOCK_TABLE, stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale,
             softcap_log2, 2, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
         )  # fmt: skip
     else:
         # PARTIAL tiles before the FULL range (sliding windows, non-causal rows, span starts).
         acc, m_i, l_i = _walk(
             acc, m_i, l_i, q, K, V, kv_start, full_start, kv_end, full_start, full_end, k_row0, seq,
-            BLOCK_TABLE, stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale,
+            BLOCK_TABLE, stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale,
             softcap_log2, 1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
         )  # fmt: skip
         # FULL tiles: every (row, key) pair allowed and in bounds.
         acc, m_i, l_i = _walk(
             acc, m_i, l_i, q, K, V, full_start, full_end, kv_end, full_start, full_end, k_row0, seq,
-            BLOCK_TABLE, stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale,
+            BLOCK_TABLE, stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale,
             softcap_log2, 0, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
         )  # fmt: skip
         # PARTIAL tiles after it (the causal diagonal, span ends, chunk ends).
         acc, m_i, l_i = _walk(
             acc, m_i, l_i, q, K, V, full_end, kv_end, kv_end, full_start, full_end, k_row0, seq,
-            BLOCK_TABLE, stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, qk_scale,
+            BLOCK_TABLE, stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale,
             softcap_log2, 1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
         )  # fmt: skip
 
     # Every row allows k = q, so l_i > 0 for stored rows.
     acc = acc / l_i[:, None]
-    o_ptrs = OUT + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    o_ptrs = OUT + q_rows[:, None] * stride_ot + head * stride_oh + offs_dv[None, :]
     if HEAD_DIM != D:
-        tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+        tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < D))
     else:
         tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None])
     if RETURN_LSE:
