@@ -144,7 +144,13 @@ def _plan(step: StepMask, state: _State, layer: sa.LayerMask, b: int, sq: int, s
         rows.append((row, q0, base - step.kv_offset))
     if not seqs:
         return None, rows
-    batch = sa.Batch(seqs, allow_split_spans=state.allow_split_spans)
+    try:
+        batch = sa.Batch(seqs, allow_split_spans=state.allow_split_spans)
+    except ValueError as err:  # a chunk cutting an image: say how to get transformers' behaviour
+        raise ValueError(
+            f"{err} (positions counted from the row's first real token). To cut the image at the "
+            "chunk end as transformers does, use spanattn.hf.enable(model, allow_split_spans=True)"
+        ) from None
     return sa.plan(batch, layer, device=device), rows
 
 
