@@ -5,6 +5,10 @@ The tile's keys form one contiguous range ``[min lo, max hi]`` (DESIGN.md sectio
 three loops: PARTIAL tiles before the FULL range, FULL tiles inside ``[max lo, min hi]`` (no mask
 math, no bounds checks), PARTIAL tiles after it. For causal rows the first loop is empty and the
 last holds the diagonal; for sliding windows the first holds the window's trailing edge.
+``ONE_LOOP`` walks the same range in one pipelined loop and decides per tile at run time whether
+to mask (faster where the three loops' separate pipeline fills cost more: d256, d512, windows).
+``DV_SPLIT`` lets several programs share a tile, each computing a slice of the output columns
+(d512: the fp32 accumulator of a whole row block does not fit the registers).
 
 Everything that changes from step to step (lengths, spans, batch composition, tile order) is a
 tensor argument; constexprs depend only on the model (heads, head_dim, dtype) and the config, so
@@ -20,9 +24,6 @@ import triton
 import triton.language as tl
 
 INTERPRETED = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else False
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 @triton.jit
@@ -279,4 +280,4 @@ def attn_fwd(
     else:
         tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None])
     if RETURN_LSE:
-        tl.store(LSE + q_rows * HQ + head, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+        tl.store(LSE + q_rows * HQ + head, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)  # ln 2
