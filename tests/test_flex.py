@@ -49,7 +49,10 @@ def check(plan, q, k, v, run, scale=0.2, softcap=None, lse=True):
     o64, l64 = reference.forward(
         q, k, v, plan, scale=scale, softcap=softcap, return_lse=lse, compute_dtype=torch.float64
     )
-    o_ref, l_ref = reference.forward(q, k, v, plan, scale=scale, softcap=softcap, return_lse=lse)
+    # the same-dtype reference computes in q's dtype (as tests/tolerance.py and the bench do)
+    o_ref, l_ref = reference.forward(
+        q, k, v, plan, scale=scale, softcap=softcap, return_lse=lse, compute_dtype=q.dtype
+    )
     assert out.shape == q.shape and out.dtype == q.dtype
     assert within_rule(out, o64, err(o_ref, o64)), (err(out, o64), err(o_ref, o64))
     if lse:
@@ -126,3 +129,15 @@ def test_compiled_cpu_uses_the_tables():
             if graphs is None:
                 graphs = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == graphs, "a new step recompiled"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled CUDA path needs a GPU")
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_gpu_compiled_lse_softcap(softcap):
+    """The compiled path (LSE through AuxRequest, softcap as score_mod) on a step whose query
+    blocks straddle many sequences: decode rows, a chunk after an image, a canvas."""
+    seqs = [sa.Seq(q_len=1, kv_len=300 + 97 * i) for i in range(40)]
+    seqs += [sa.Seq(q_len=700, kv_len=2100, spans=[(1300, 1800)]), sa.Seq(256, causal=False)]
+    plan = sa.plan(sa.Batch(seqs), sa.LayerMask(window=512, spans="clamp"), "cuda")
+    q, k, v = (x.cuda() for x in inputs(plan, 8, 2, 128, torch.bfloat16))
+    check(plan, q, k, v, flex.forward, scale=128**-0.5, softcap=softcap)

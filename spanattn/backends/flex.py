@@ -97,14 +97,26 @@ DYNAMIC = os.environ.get("SPANATTN_FLEX_DYNAMIC", "1") != "0"
 
 
 @functools.cache
-def _compiled():
+def _compiled(return_lse):
+    """One compiled step per ``return_lse``."""
     return torch.compile(_flex_step, dynamic=True if DYNAMIC else False)
+
+
+@functools.cache
+def _softcap_tensor(value: float, device) -> torch.Tensor:
+    # A 0-d tensor, not a float: under dynamic=True a float argument becomes a SymFloat, which
+    # flex rejects as a score_mod buffer (seen on torch 2.11); tensors are ordinary buffers.
+    return torch.tensor(value, dtype=torch.float32, device=device)
 
 
 def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
     t = tile_tables(plan, BLOCK_M, BLOCK_N)
     alo, ahi = packed_intervals(plan)
-    step, dtype = (_compiled(), q.dtype) if q.is_cuda else (_flex_step, torch.float32)
+    if q.is_cuda:
+        step, dtype = _compiled(return_lse), q.dtype
+        softcap = None if softcap is None else _softcap_tensor(float(softcap), q.device)
+    else:
+        step, dtype = _flex_step, torch.float32
     # CPU: flex's eager math runs in the input dtype (bf16 scores and probabilities, ~8x the
     # reference's error), so it gets float32 inputs like the reference; it is the slow path anyway.
     # [tokens, H, D] -> [1, H, tokens, D] views; flex keeps q's stride order for its output,
