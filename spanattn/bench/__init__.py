@@ -140,6 +140,10 @@ def main(args: argparse.Namespace) -> int:
         return 2
     dims = [int(x) for x in args.head_dims.split(",")] if args.head_dims else None
     chosen = items(args.backends.split(",") if args.backends else None)
+    if args.backends and len(chosen) != len(set(args.backends.split(","))):
+        names = [i.name for i in items()]
+        print(f"spanattn bench: unknown backends in {args.backends!r}; choose from {names}", file=sys.stderr)
+        return 2
     if not on_gpu:
         print(
             f"NOTE: no CUDA device: running SMALL versions (token counts / {scale}, {str(dtype)[6:]}, "
