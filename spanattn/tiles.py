@@ -20,6 +20,7 @@ listed blocks in ascending order followed by the other blocks, ascending.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -118,11 +119,13 @@ def tile_tables(plan: Plan, BLOCK_M: int = 128, BLOCK_N: int = 128, fused: bool 
     """The plan's packed tile tables, built once per plan and block shape.
 
     fused: one Triton launch that also writes the packed intervals (tiles_triton.py); default
-        on CUDA, where planning is bound by kernel launches. Otherwise the torch code above.
+        on CUDA when triton is installed (planning there is bound by kernel launches). Otherwise
+        the torch code above.
     """
 
     def build():
-        if fused if fused is not None else plan.device.type == "cuda":
+        use_triton = plan.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        if fused if fused is not None else use_triton:
             from .tiles_triton import fused_tile_tables
 
             packed, tables = fused_tile_tables(plan, BLOCK_M, BLOCK_N)
