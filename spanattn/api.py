@@ -106,6 +106,8 @@ def attention(
             if name not in backends.BACKENDS:
                 continue
             mod = backends.load(name)
+            if getattr(mod, "AUTO_NEEDS_CUDA", False) and q.device.type != "cuda":
+                continue  # e.g. triton's interpreter: correct but far too slow to pick unasked
             why = _unavailable(mod, q, plan, opts)
             if why is None:
                 break

@@ -12,6 +12,7 @@ from .configs import Config, padded_head_dim, pick
 from .schedule import tile_schedule
 
 LOG2E = 1.4426950408889634
+AUTO_NEEDS_CUDA = True  # backend="auto" never picks the interpreter; naming "triton" still can
 
 
 def _kernel_module():
