@@ -19,23 +19,36 @@ import torch
 from .spec import Batch, LayerMask
 
 
-def seq_metadata(batch: Batch, device) -> dict[str, torch.Tensor]:
-    """Per-sequence int64 tensors on ``device`` from one host-to-device copy."""
-    rows = [(s.q_len, s.kv_len, int(s.causal)) for s in batch.seqs]
-    meta = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-    return {"q_len": meta[:, 0], "kv_len": meta[:, 1], "causal": meta[:, 2].bool()}
+def step_tensors(batch: Batch, device) -> dict[str, torch.Tensor]:
+    """Per-sequence int32 tensors of a step on ``device``, from ONE host-to-device copy (each
+    copy from pageable memory is a synchronous transfer, so planning makes exactly one).
+
+    Keys: q_len, kv_len, causal, cu_seqlens_q, cu_seqlens_k ([n + 1]), spans ([m, 3]: seq, s, e;
+    only spans that start inside the chunk: later ones hold no query of this step).
+    """
+    seqs = batch.seqs
+    n = len(seqs)
+    cu_q, cu_k = [0], [0]
+    for s in seqs:
+        cu_q.append(cu_q[-1] + s.q_len)
+        cu_k.append(cu_k[-1] + s.kv_len)
+    spans = [x for i, s in enumerate(seqs) for a, b in s.spans if a < s.kv_len for x in (i, a, b)]
+    flat = [s.q_len for s in seqs] + [s.kv_len for s in seqs] + [int(s.causal) for s in seqs]
+    buf = torch.tensor(flat + cu_q + cu_k + spans, dtype=torch.int32).to(device, non_blocking=True)
+    parts = buf.split([n, n, n, n + 1, n + 1, len(spans)])
+    keys = ("q_len", "kv_len", "causal", "cu_seqlens_q", "cu_seqlens_k")
+    return dict(zip(keys, parts[:5]), spans=parts[5].view(-1, 3))
 
 
-def compute_intervals(batch: Batch, layer: LayerMask, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def compute_intervals(batch: Batch, layer: LayerMask, step: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """``lo, hi`` (int32 ``[total_q]``, inclusive key positions local to each sequence).
 
-    Vectorized over tokens; the only Python loop is over sequences' spans to flatten them.
+    ``step`` comes from :func:`step_tensors`. Vectorized over tokens: no Python loop here.
     """
-    total_q = batch.total_q
-    meta = seq_metadata(batch, device)
-    q_len, kv_len, causal = meta["q_len"], meta["kv_len"], meta["causal"]
-    ends = torch.cumsum(q_len, 0)
-    token = torch.arange(total_q, device=device)
+    q_len, kv_len, causal = step["q_len"].long(), step["kv_len"].long(), step["causal"].bool()
+    device = q_len.device
+    ends = step["cu_seqlens_q"][1:].long()
+    token = torch.arange(batch.total_q, device=device)
     # searchsorted instead of repeat_interleave: the latter costs ~20 ms on CPU whatever the size
     seq_id = torch.searchsorted(ends, token, right=True)
     per_row = lambda t: t.index_select(0, seq_id)  # index_select: advanced indexing is slower
@@ -54,10 +67,8 @@ def compute_intervals(batch: Batch, layer: LayerMask, device="cpu") -> tuple[tor
         lo = past.clamp_min(0)
         hi = torch.where(row_causal, q, torch.minimum(q + w - (0 if wide else 1), last))
 
-    # Spans starting past the chunk belong to later chunks: no query of this step is inside them.
-    spans = [(i, s, e) for i, seq in enumerate(batch.seqs) for s, e in seq.spans if s < seq.kv_len]
-    if layer.spans != "off" and spans:
-        sp = torch.tensor(spans, dtype=torch.int64).to(device, non_blocking=True)
+    if layer.spans != "off" and step["spans"].numel():
+        sp = step["spans"].long()
         # Spans are sorted per sequence and disjoint, so the span that may hold q is the last one
         # starting at or before q in the order (sequence, start).
         starts = sp[:, 0] * big + sp[:, 1]

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .intervals import compute_intervals, dense_from_intervals
+from .intervals import compute_intervals, dense_from_intervals, step_tensors
 from .spec import Batch, LayerMask
 
 
@@ -118,20 +118,14 @@ def plan(batch: Batch, layer: LayerMask, device="cpu") -> Plan:
         raise TypeError(f"plan(batch=...) must be a spanattn.Batch, got {type(batch).__name__}")
     if not isinstance(layer, LayerMask):
         raise TypeError(f"plan(layer=...) must be a spanattn.LayerMask, got {type(layer).__name__}")
-    device = torch.device(device)
-    lo, hi = compute_intervals(batch, layer, device)
-    q_lens = [s.q_len for s in batch.seqs]
-    kv_lens = [s.kv_len for s in batch.seqs]
-    offsets = torch.tensor([[0, 0]] + [[a, b] for a, b in zip(q_lens, kv_lens)], dtype=torch.int32).cumsum(
-        0, dtype=torch.int32
-    )
-    offsets = offsets.to(device, non_blocking=True)
+    step = step_tensors(batch, torch.device(device))
+    lo, hi = compute_intervals(batch, layer, step)
     return Plan(
         batch=batch,
         layer=layer,
         lo=lo,
         hi=hi,
-        cu_seqlens_q=offsets[:, 0].contiguous(),
-        cu_seqlens_k=offsets[:, 1].contiguous(),
-        seq_lens=torch.tensor(kv_lens, dtype=torch.int32).to(device, non_blocking=True),
+        cu_seqlens_q=step["cu_seqlens_q"],
+        cu_seqlens_k=step["cu_seqlens_k"],
+        seq_lens=step["kv_len"],
     )

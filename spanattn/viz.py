@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from .intervals import compute_intervals
+from .plan import plan as make_plan
 
 MAX_PIXELS = 900  # image cells per axis; beyond this pixels cover several rows/keys exactly
 ASCII_MAX_KEYS, ASCII_MAX_ROWS = 120, 160
@@ -25,8 +25,8 @@ def _rows(plan, i: int, layer=None) -> tuple[torch.Tensor, torch.Tensor]:
     r = plan.seq_slice(i)
     if layer is None:
         return plan.lo[r].cpu().long(), plan.hi[r].cpu().long()
-    lo, hi = compute_intervals(plan.batch, layer, "cpu")
-    return lo[r].long(), hi[r].long()
+    other = make_plan(plan.batch, layer, "cpu")
+    return other.lo[r].long(), other.hi[r].long()
 
 
 def coverage(lo, hi, kv_len: int, rows_per_px: int, keys_per_px: int) -> torch.Tensor:
