@@ -67,13 +67,21 @@ def pick(head_dim: int, dtype: torch.dtype, interpreted: bool, window: int | Non
     short = window is not None and window <= WINDOW_MAX
     cfg = WINDOW_CONFIGS.get(d) if short else None
     cfg = cfg or GPU_CONFIGS[d]
-    if dtype == torch.float32:  # fp32 tiles take twice the shared memory
-        cfg = Config(
-            min(cfg.block_m, 64),
-            min(cfg.block_n, 32),
-            cfg.num_warps,
-            min(cfg.num_stages, 2),
-            cfg.one_loop,
-            cfg.dv_split,
-        )
+    if dtype == torch.float32:
+        cfg = _fit_fp32(cfg, d)
     return cfg
+
+
+def _fit_fp32(cfg: Config, d: int, budget: int = 160 * 1024) -> Config:
+    """fp32 tiles take twice the shared memory: shrink the K/V tile, then the pipeline depth,
+    then the Q tile until Q plus num_stages K and V tiles fit well inside 227 KB (the margin is
+    for the compiler's own layout-conversion buffers)."""
+    bm, bn, stages = min(cfg.block_m, 64), min(cfg.block_n, 32), min(cfg.num_stages, 2)
+    smem = lambda: 4 * (bm * d + stages * bn * (d + d // cfg.dv_split))
+    while smem() > budget and bn > 16:
+        bn //= 2
+    while smem() > budget and stages > 1:
+        stages -= 1
+    while smem() > budget and bm > 16:
+        bm //= 2
+    return Config(bm, bn, cfg.num_warps, stages, cfg.one_loop, cfg.dv_split)
