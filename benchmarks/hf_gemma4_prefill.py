@@ -119,6 +119,29 @@ def prefill(model, ids, types, device, warmup: int, repeats: int) -> dict:
     return res
 
 
+def check_fp32(model, text_cfg, n, shape, device, tails) -> dict:
+    """Random deep stacks amplify rounding, so the bf16 difference between two attention
+    implementations says little on its own: rerun both in fp32 (weights upcast exactly) and
+    measure each bf16 run against the fp32 SDPA run."""
+    ids, types, _ = make_inputs(n, shape, device)
+    model.float()
+    fp32 = {}
+    for impl in ("sdpa", spanattn.hf.NAME):
+        text_cfg._attn_implementation = impl
+        fp32[impl] = prefill(model, ids, types, device, 0, 1)["tail"]
+    truth = fp32["sdpa"]
+    err = lambda x: (x - truth).abs().max().item()
+    acc = {
+        "tokens": n,
+        "fp32_spanattn_vs_fp32_sdpa": err(fp32[spanattn.hf.NAME]),
+        "bf16_sdpa_vs_fp32_sdpa": err(tails[(n, "sdpa")]),
+        "bf16_spanattn_vs_fp32_sdpa": err(tails[(n, spanattn.hf.NAME)]),
+        "scale": truth.abs().max().item(),
+    }
+    print("accuracy (last hidden states, 64 tokens):", acc)
+    return acc
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for hf_gemma4_prefill.json")
@@ -128,6 +151,7 @@ def main(argv=None):
     ap.add_argument("--backend", default=None, help="spanattn backend (default triton; auto with --tiny)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--check", action="store_true", help="accuracy at the first size against an fp32 run")
     args = ap.parse_args(argv)
     shape = TINY if args.tiny else REAL
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -139,7 +163,7 @@ def main(argv=None):
     model, kinds = build(shape, args.layers, device, dtype)
     spanattn.hf.enable(model, backend=backend)  # registers the hooks; the switch is the config
     text_cfg = model.config.get_text_config()
-    rows = []
+    rows, tails = [], {}
     for n in sizes:
         ids, types, spans = make_inputs(n, shape, device)
         results = {}
@@ -151,10 +175,11 @@ def main(argv=None):
             ours["max_abs_diff_vs_sdpa"] = (ours["tail"] - ref["tail"]).abs().max().item()
             ours["sdpa_max_abs"] = ref["tail"].abs().max().item()  # the scale of that difference
         for impl, res in results.items():
-            res.pop("tail", None)
+            tails[(n, impl)] = res.pop("tail", None)
             rows.append({"tokens": n, "images": len(spans), "impl": impl, **res})
             print(f"{n:6d} tokens {len(spans):3d} images  {impl:9s} " + ", ".join(
                 f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()))  # fmt: skip
+    accuracy = check_fp32(model, text_cfg, sizes[0], shape, device, tails) if args.check else None
     report = {
         "what": "prefill of a Gemma-4-shaped Gemma4Model with image spans: spanattn vs transformers SDPA",
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -167,6 +192,7 @@ def main(argv=None):
         "shape": {k: v for k, v in shape.items() if k != "sizes"},
         "timing": f"median of {args.repeats} after {args.warmup} warm-up, use_cache=True (DynamicCache)",
         "results": rows,
+        "accuracy": accuracy,
     }
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
