@@ -30,9 +30,9 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import spanattn as sa  # noqa: E402
-from spanattn.backends import reference  # noqa: E402
 from spanattn.backends.triton import decode  # noqa: E402
 from spanattn.cache import gather_kv  # noqa: E402
+from spanattn.oracle import Truth  # noqa: E402
 from spanattn.scenarios import HKV, HQ, scenarios  # noqa: E402
 
 DEV = os.environ.get("SPANATTN_DEVICE", "cuda")  # "cpu" with TRITON_INTERPRET=1: a smoke run
@@ -60,16 +60,15 @@ def sync_debug(mode):
 
 
 def rule(out, lse, q, kc, vc, bt, p, scale, softcap=None):
-    """err vs fp64 truth and the bound 2 * err(same-dtype reference) + 1e-4, for out and LSE."""
-    k, v = gather_kv(kc, vc, bt, p)
-    opts = dict(scale=scale, softcap=softcap, return_lse=True)
-    truth, tlse = reference.forward(q, k, v, p, compute_dtype=torch.float64, **opts)
-    same, slse = reference.forward(q, k, v, p, compute_dtype=q.dtype, **opts)
-    e = lambda a, b: (a.double() - b.double()).abs().max().item()
-    res = {"err": e(out, truth), "bound": 2 * e(same, truth) + 1e-4, "nan": bool(out.isnan().any())}
-    res["lse_err"], res["lse_bound"] = e(lse, tlse), 2 * e(slse, tlse) + 1e-4
-    res["ok"] = not res["nan"] and res["err"] <= res["bound"] and res["lse_err"] <= res["lse_bound"]
-    return res
+    """DESIGN.md's rule (spanattn.oracle) for out and LSE, against the pages gathered back."""
+    verdict = Truth(q, kc, vc, p, scale=scale, softcap=softcap, block_table=bt).check(out, lse)
+    return {
+        "err": verdict.err,
+        "bound": verdict.bound,
+        "lse_err": verdict.lse_err,
+        "lse_bound": verdict.lse_bound,
+        "ok": verdict.ok,
+    }
 
 
 def check(report):

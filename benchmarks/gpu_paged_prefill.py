@@ -27,7 +27,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import spanattn as sa  # noqa: E402
-from spanattn.backends import reference  # noqa: E402
+from spanattn.oracle import Truth  # noqa: E402
 from spanattn.scenarios import HKV, HQ, scenarios  # noqa: E402
 
 
@@ -68,12 +68,8 @@ def check_small(sc_small, d, page, gen):
     q, k, v = qkv(p, d, seed=1)
     kc, vc, table = paged_copy(k, v, p, page, gen)
     out = sa.attention(q, kc, vc, p, block_table=table, backend="triton")
-    scale = d**-0.5
-    truth, _ = reference.forward(q, k, v, p, scale=scale, compute_dtype=torch.float64)
-    same, _ = reference.forward(q, k, v, p, scale=scale, compute_dtype=torch.bfloat16)
-    err = (out.double() - truth.double()).abs().max().item()
-    bound = 2 * (same.double() - truth.double()).abs().max().item() + 1e-4
-    return {"err": err, "bound": bound, "ok": bool(err <= bound and not out.isnan().any())}
+    verdict = Truth(q, k, v, p).check(out)
+    return {"err": verdict.err, "bound": verdict.bound, "ok": verdict.ok}
 
 
 def main():

@@ -13,6 +13,7 @@ import torch
 
 from . import backends, viz
 from .api import attention
+from .oracle import Truth
 from .plan import Plan, plan
 from .spans import drop_wide_spans
 from .spec import Batch, LayerMask, Seq
@@ -81,15 +82,10 @@ def _skip_reason(name: str, mod, q, p: Plan, asked: bool) -> str | None:
 def check_layer(label: str, p: Plan, q, k, v, names, asked: bool, reps: int, log) -> list[Result]:
     """Run each backend on one plan and apply DESIGN.md's rule:
     ``err <= 2 * err(same-dtype reference vs fp64) + 1e-4``; NaN never passes."""
-    from .backends import reference
-
-    scale = q.shape[-1] ** -0.5
-    truth, _ = reference.forward(q, k, v, p, scale=scale, compute_dtype=torch.float64)
-    same, _ = reference.forward(q, k, v, p, scale=scale, compute_dtype=q.dtype)
-    tol = 2 * (same.double() - truth.double()).abs().max().item() + 1e-4
+    truth = Truth(q, k, v, p)
     results = []
     for name in names:
-        res = Result(label, name, str(q.dtype).removeprefix("torch."), tol=tol)
+        res = Result(label, name, str(q.dtype).removeprefix("torch."), tol=truth.bound)
         try:
             why = _skip_reason(name, backends.load(name), q, p, asked)
         except Exception as e:  # a backend whose optional dependency fails to import
@@ -101,9 +97,9 @@ def check_layer(label: str, p: Plan, q, k, v, names, asked: bool, reps: int, log
             continue
         try:
             out, res.ms = _timed(lambda name=name: attention(q, k, v, p, backend=name), q.device, reps)
-            res.err = (out.double() - truth.double()).abs().max().item()
-            ok = res.err == res.err and res.err <= tol  # NaN compares unequal to itself
-            res.status = "PASS" if ok else "FAIL"
+            verdict = truth.check(out)
+            res.err = verdict.err
+            res.status = "PASS" if verdict.ok else "FAIL"
         except Exception as e:
             res.status = f"FAIL: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
         results.append(res)
