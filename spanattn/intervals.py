@@ -14,6 +14,8 @@ Both parts contain ``k = q`` so their union is one interval and no row is empty.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from .spec import Batch, LayerMask
@@ -40,11 +42,26 @@ def step_tensors(batch: Batch, device) -> dict[str, torch.Tensor]:
     return dict(zip(keys, parts[:5]), spans=parts[5].view(-1, 3))
 
 
-def compute_intervals(batch: Batch, layer: LayerMask, step: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_intervals(
+    batch: Batch, layer: LayerMask, step: dict, fused: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``lo, hi`` (int32 ``[total_q]``, inclusive key positions local to each sequence).
 
-    ``step`` comes from :func:`step_tensors`. Vectorized over tokens: no Python loop here.
+    ``step`` comes from :func:`step_tensors`. fused: one Triton launch (intervals_triton.py, the
+    same formulas lowered once more); default on CUDA when triton is installed, since this torch
+    version is ~20 launches there. Otherwise :func:`intervals_torch`, the definition.
     """
+    if fused is None:
+        fused = step["kv_len"].device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    if fused:
+        from .intervals_triton import intervals_triton
+
+        return intervals_triton(batch, layer, step)
+    return intervals_torch(batch, layer, step)
+
+
+def intervals_torch(batch: Batch, layer: LayerMask, step: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition of ``lo, hi``, vectorized over tokens (no Python loop), on any device."""
     q_len, kv_len, causal = step["q_len"].long(), step["kv_len"].long(), step["causal"].bool()
     device = q_len.device
     ends = step["cu_seqlens_q"][1:].long()
