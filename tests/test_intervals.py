@@ -3,6 +3,7 @@ section 1, independently of spanattn/intervals.py."""
 
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from strategies import batches, layers
 
 import spanattn as sa
@@ -122,3 +123,22 @@ def test_plan_packing():
     assert p.lo.dtype == torch.int32 and p.hi.dtype == torch.int32
     assert p.allowed_pairs() == (3 + 4 + 5) + 7 + 4
     assert "non-causal" in p.describe() and "num_seqs=3" in repr(p)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    mode=st.sampled_from(["clamp", "on", "off"]),
+    causal=st.booleans(),
+    noncausal_window=st.sampled_from(["exclusive", "inclusive"]),
+)
+def test_images_wider_than_the_window(data, mode, causal, noncausal_window):
+    """The engines' recurring bug: an image wider than the window. Every example has one."""
+    kv_len = data.draw(st.integers(8, 300))
+    s = data.draw(st.integers(0, kv_len - 4))
+    e = data.draw(st.integers(s + 3, kv_len - 1))
+    window = data.draw(st.integers(1, e - s))
+    q_len = data.draw(st.integers(max(1, kv_len - e), kv_len))  # some queries inside the image
+    seq = sa.Seq(q_len=q_len, kv_len=kv_len, spans=[(s, e)], causal=causal)
+    layer = sa.LayerMask(window=window, spans=mode, noncausal_window=noncausal_window)
+    assert torch.equal(sa.plan(sa.Batch([seq]), layer).to_dense(0), brute_mask(seq, layer))
