@@ -121,6 +121,53 @@ def test_triton_backend_paged(batch):
     assert_close_to_truth(out.cpu(), lse.cpu(), *(t.cpu() for t in (q, k, v)), _cpu(p))
 
 
+PREFILL = sa.Batch(
+    [
+        sa.Seq(q_len=40, kv_len=150, spans=[(100, 139)]),  # a chunk; last page partly filled
+        sa.Seq(q_len=1, kv_len=77),  # a decode row
+        sa.Seq(q_len=24, kv_len=24, causal=False),  # a canvas inside one page
+        sa.Seq(q_len=16, kv_len=128),  # fills its pages exactly: the table has no spare column
+    ]
+)
+
+
+def _cfg(block_n, one_loop=False):
+    from spanattn.backends.triton.configs import Config
+
+    return Config(16, block_n, 4, 1, one_loop=one_loop)
+
+
+@pytest.mark.parametrize(
+    "page, config, layer, dtype",
+    [
+        (16, None, sa.LayerMask(spans="on"), torch.float16),
+        (32, None, sa.LayerMask(window=40, spans="clamp"), torch.float16),
+        (64, None, sa.LayerMask(window=24, spans="on"), torch.float32),
+        (64, _cfg(32, one_loop=True), sa.LayerMask(window=40, spans="clamp"), torch.float16),
+        (16, _cfg(32), sa.LayerMask(window=40, spans="on"), torch.float16),
+        (16, _cfg(64, one_loop=True), sa.LayerMask(spans="clamp"), torch.float32),
+    ],
+    ids=["p16-n16", "p32-n16", "p64-n16", "p64-n32-one-loop", "p16-n32", "p16-n64-one-loop"],
+)
+def test_prefill_kernel_paged_tiles(page, config, layer, dtype):
+    """The prefill kernel's two ways of reading pages: one block_table entry per KV tile when
+    BLOCK_N divides the page (the interpreter's BLOCK_N is 16), one per key row when pages are
+    smaller than the tile. NaN in every slot no sequence owns (the tails of last pages included)
+    and a block_table exactly as wide as the longest sequence needs; the output must be bit-equal
+    to packed K/V under the same config and within the tolerance rule of fp64 truth."""
+    from spanattn.backends import triton as tb
+
+    width = max(-(-s.kv_len // page) for s in PREFILL.seqs)
+    p, q, k, v, kc, vc, bt = paged_step(PREFILL, layer, 2, 1, 16, page, dtype, width=width)
+    run = lambda k, v, **kw: tb.forward(
+        q, k, v, p, scale=0.25, return_lse=True, out=torch.full_like(q, float("nan")),
+        config=config, kernel="prefill", **kw,
+    )  # fmt: skip
+    paged, packed = run(kc, vc, block_table=bt), run(k, v)
+    assert torch.equal(paged[0], packed[0]) and torch.equal(paged[1], packed[1])
+    assert_close_to_truth(paged[0].cpu(), paged[1].cpu(), *(t.cpu() for t in (q, k, v)), _cpu(p), scale=0.25)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_replays_new_steps():
     from spanattn.backends.triton.decode import decode_forward

@@ -15,7 +15,8 @@ tensor argument; constexprs depend only on the model (heads, head_dim, dtype) an
 a serving loop compiles each layer kind once.
 
 A paged KV cache is the ``PAGED`` constexpr: keys are addressed by in-sequence position and
-``_kv_rows`` turns positions into physical rows, through ``block_table`` when paged.
+``_kv_rows`` turns positions into physical rows, through ``block_table`` entries that ``_walk``
+loads one tile ahead (one per tile when a tile fits in a page, else one per key row).
 """
 
 from __future__ import annotations
@@ -27,13 +28,47 @@ INTERPRETED = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") e
 
 
 @triton.jit
-def _kv_rows(kv_idx, k_row0, seq, BLOCK_TABLE, stride_bt, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Physical rows (int64) of in-sequence key positions ``kv_idx`` in the K/V tensors."""
-    if PAGED:
-        page = tl.load(BLOCK_TABLE + seq.to(tl.int64) * stride_bt + kv_idx // PAGE_SIZE)
-        return page.to(tl.int64) * PAGE_SIZE + (kv_idx % PAGE_SIZE)
+def _tile_pages(BT, n, kv_end, offs_n, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The block_table entries (``BT`` = this sequence's row) of the KV tile starting at ``n``.
+    Tiles start at multiples of BLOCK_N (see ``kv_start``), so when BLOCK_N divides PAGE_SIZE a
+    tile lies in one page: one scalar. Smaller pages: one entry per key row. Positions clamp to
+    ``kv_end - 1``, like the rows, so the entry read is always the sequence's own, also when
+    ``_walk`` prefetches past its last tile."""
+    if PAGE_SIZE >= BLOCK_N:
+        page = tl.load(BT + tl.minimum(n, kv_end - 1) // PAGE_SIZE)
     else:
-        return k_row0 + kv_idx.to(tl.int64)
+        page = tl.load(BT + tl.minimum(n + offs_n, kv_end - 1) // PAGE_SIZE)
+    return page
+
+
+@triton.jit
+def _kv_rows(
+    page, n, kv_end, k_row0, offs_n, MASKED: tl.constexpr, PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Physical rows (int64) in the K/V tensors of the KV tile starting at ``n``. PARTIAL tiles
+    clamp positions to ``kv_end - 1`` (the address, not the mask): every load stays in bounds
+    without load masks and reads a real, finite key. Rows past kv_end get p = 0, but 0 * NaN
+    (a paged cache's unused slots) would still reach acc."""
+    if PAGED and PAGE_SIZE >= BLOCK_N:
+        # One page: a scalar base plus in-page offsets, so FULL tiles are scalar + arange, as
+        # contiguous as the packed path. The same rows as the general form: the clamped
+        # position stays in [n, n + BLOCK_N), inside n's page.
+        if MASKED != 0:
+            offs = tl.minimum(offs_n, kv_end - 1 - n)
+        else:
+            offs = offs_n
+        rows = (page.to(tl.int64) * PAGE_SIZE + n % PAGE_SIZE) + offs
+    else:
+        if MASKED != 0:
+            pos = tl.minimum(n + offs_n, kv_end - 1)
+        else:
+            pos = n + offs_n
+        if PAGED:
+            rows = page.to(tl.int64) * PAGE_SIZE + (pos % PAGE_SIZE)
+        else:
+            rows = k_row0 + pos.to(tl.int64)
+    return rows
 
 
 @triton.jit
@@ -107,49 +142,65 @@ def _attend(
 
 @triton.jit
 def _walk(
-    acc, m_i, l_i, q, K, V, start, end, kv_end, full_start, full_end, k_row0, seq, BLOCK_TABLE,
-    stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
+    acc, m_i, l_i, q, K, V, start, end, kv_end, full_start, full_end, k_row0, BT, lo, hi,
+    stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WHILE_LOOPS: tl.constexpr,
 ):  # fmt: skip
     """KV tiles ``[start, end)`` in steps of BLOCK_N. A ``for`` loop is what triton software-
     pipelines; the interpreter cannot take loaded scalars as ``range`` bounds under numpy >= 2.4
-    (int() of a 1-element array), so it walks the same tiles with ``while``."""
+    (int() of a 1-element array), so it walks the same tiles with ``while``.
+
+    Paged: each tile's block_table entries are loaded one tile ahead and carried into the next
+    iteration. Loaded in the same iteration, they would be a load feeding the K/V loads'
+    addresses, which triton's pipeliner counts as a level of indirection: it splits the
+    ``num_stages - 1`` tiles of prefetch between that load and K/V (3 stages: K/V one tile ahead
+    instead of two) or, at 2 stages, leaves it a synchronous load on every tile's critical path.
+    A loaded value carried to the next iteration is neither: the pipeliner issues it beside its
+    consumer, one iteration early, and K/V keep the contiguous path's prefetch depth (sm_90
+    TTGIR at d128: 3 K/V buffers as packed, where a same-iteration load got 2 plus its own)."""
+    if PAGED:
+        page = _tile_pages(BT, start, kv_end, offs_n, PAGE_SIZE, BLOCK_N)
+    else:
+        page = 0
     if WHILE_LOOPS:
         n = start
         while n < end:
+            if PAGED:
+                next_page = _tile_pages(BT, n + BLOCK_N, kv_end, offs_n, PAGE_SIZE, BLOCK_N)
             acc, m_i, l_i = _kv_tile(
-                acc, m_i, l_i, q, K, V, n, kv_end, full_start, full_end, k_row0, seq, BLOCK_TABLE,
-                stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
+                acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, lo, hi,
+                stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
                 MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
             )  # fmt: skip
+            if PAGED:
+                page = next_page
             n += BLOCK_N
     else:
         for n in range(start, end, BLOCK_N):
+            if PAGED:
+                next_page = _tile_pages(BT, n + BLOCK_N, kv_end, offs_n, PAGE_SIZE, BLOCK_N)
             acc, m_i, l_i = _kv_tile(
-                acc, m_i, l_i, q, K, V, n, kv_end, full_start, full_end, k_row0, seq, BLOCK_TABLE,
-                stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
+                acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, lo, hi,
+                stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
                 MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
             )  # fmt: skip
+            if PAGED:
+                page = next_page
     return acc, m_i, l_i
 
 
 @triton.jit
 def _kv_tile(
-    acc, m_i, l_i, q, K, V, n, kv_end, full_start, full_end, k_row0, seq, BLOCK_TABLE,
-    stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
+    acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, lo, hi,
+    stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     kv_idx = n + offs_n
     partial = (n < full_start) | (n + BLOCK_N > full_end)
-    if MASKED != 0:
-        # Clamping the address (not the mask) keeps every load in bounds without load masks.
-        pos = tl.minimum(kv_idx, kv_end - 1)
-    else:
-        pos = kv_idx
-    rows = _kv_rows(pos, k_row0, seq, BLOCK_TABLE, stride_bt, PAGED, PAGE_SIZE)
+    rows = _kv_rows(page, n, kv_end, k_row0, offs_n, MASKED, PAGED, PAGE_SIZE, BLOCK_N)
     return _attend(
         acc, m_i, l_i, q, K, V, rows, kv_idx, lo, hi, stride_kt, stride_vt, offs_d, offs_dv,
         qk_scale, softcap_log2, partial, MASKED, SOFTCAP, HEAD_DIM, D, DOT_PRECISION,
@@ -213,6 +264,7 @@ def attn_fwd(
     q_row0 = tl.load(CU_SEQLENS_Q + seq)
     q_len = tl.load(CU_SEQLENS_Q + seq + 1) - q_row0
     k_row0 = tl.load(CU_SEQLENS_K + seq).to(tl.int64)
+    BT = BLOCK_TABLE + seq.to(tl.int64) * stride_bt  # this sequence's pages (read only if PAGED)
 
     offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -225,6 +277,9 @@ def attn_fwd(
     lo = tl.load(LO + q_idx)
     hi = tl.load(HI + q_idx)
     kv_end = tl.max(hi) + 1
+    # Every walked tile starts at a multiple of BLOCK_N: kv_start, full_start and full_end are
+    # multiples (full_start = kv_end only leaves the loops after it empty). A paged tile then
+    # lies in one page whenever BLOCK_N divides PAGE_SIZE (_tile_pages relies on this).
     kv_start = (tl.min(lo) // BLOCK_N) * BLOCK_N
     full_lo = tl.max(lo)
     full_hi = tl.min(hi)
@@ -248,28 +303,28 @@ def attn_fwd(
         # One pipelined loop, each tile masked or not at run time: fewer pipeline fills when
         # a tile's key range is only a few tiles long (sliding windows).
         acc, m_i, l_i = _walk(
-            acc, m_i, l_i, q, K, V, kv_start, kv_end, kv_end, full_start, full_end, k_row0, seq,
-            BLOCK_TABLE, stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale,
-            softcap_log2, 2, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
+            acc, m_i, l_i, q, K, V, kv_start, kv_end, kv_end, full_start, full_end, k_row0, BT,
+            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
+            2, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
         )  # fmt: skip
     else:
         # PARTIAL tiles before the FULL range (sliding windows, non-causal rows, span starts).
         acc, m_i, l_i = _walk(
-            acc, m_i, l_i, q, K, V, kv_start, full_start, kv_end, full_start, full_end, k_row0, seq,
-            BLOCK_TABLE, stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale,
-            softcap_log2, 1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
+            acc, m_i, l_i, q, K, V, kv_start, full_start, kv_end, full_start, full_end, k_row0, BT,
+            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
+            1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
         )  # fmt: skip
         # FULL tiles: every (row, key) pair allowed and in bounds.
         acc, m_i, l_i = _walk(
-            acc, m_i, l_i, q, K, V, full_start, full_end, kv_end, full_start, full_end, k_row0, seq,
-            BLOCK_TABLE, stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale,
-            softcap_log2, 0, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
+            acc, m_i, l_i, q, K, V, full_start, full_end, kv_end, full_start, full_end, k_row0, BT,
+            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
+            0, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
         )  # fmt: skip
         # PARTIAL tiles after it (the causal diagonal, span ends, chunk ends).
         acc, m_i, l_i = _walk(
-            acc, m_i, l_i, q, K, V, full_end, kv_end, kv_end, full_start, full_end, k_row0, seq,
-            BLOCK_TABLE, stride_bt, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale,
-            softcap_log2, 1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
+            acc, m_i, l_i, q, K, V, full_end, kv_end, kv_end, full_start, full_end, k_row0, BT,
+            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
+            1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
         )  # fmt: skip
 
     # Every row allows k = q, so l_i > 0 for stored rows.
