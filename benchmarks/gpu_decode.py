@@ -61,14 +61,7 @@ def sync_debug(mode):
 
 def rule(out, lse, q, kc, vc, bt, p, scale, softcap=None):
     """DESIGN.md's rule (spanattn.oracle) for out and LSE, against the pages gathered back."""
-    verdict = Truth(q, kc, vc, p, scale=scale, softcap=softcap, block_table=bt).check(out, lse)
-    return {
-        "err": verdict.err,
-        "bound": verdict.bound,
-        "lse_err": verdict.lse_err,
-        "lse_bound": verdict.lse_bound,
-        "ok": verdict.ok,
-    }
+    return Truth(q, kc, vc, p, scale=scale, softcap=softcap, block_table=bt).check(out, lse).as_dict()
 
 
 def check(report):

@@ -75,14 +75,7 @@ def check_one(batch, layer, dtype, d, hq, hkv, softcap=None, config=None):
     scale = d**-0.5
     out = torch.full_like(q, float("nan"))
     out, lse = tb.forward(q, k, v, p, scale=scale, softcap=softcap, return_lse=True, out=out, config=config)
-    verdict = Truth(q, k, v, p, scale=scale, softcap=softcap).check(out, lse)
-    return {
-        "err": verdict.err,
-        "bound": verdict.bound,
-        "lse_err": verdict.lse_err,
-        "lse_bound": verdict.lse_bound,
-        "ok": verdict.ok,
-    }
+    return Truth(q, k, v, p, scale=scale, softcap=softcap).check(out, lse).as_dict()
 
 
 def grid_batches():

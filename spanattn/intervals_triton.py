@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .spec import Batch, LayerMask
+from .triton_search import seq_of_rows
 
 SPAN_MODE = {"off": 0, "on": 1, "clamp": 2}
 # every argument whose value or offset changes from step to step
@@ -40,19 +41,7 @@ def _intervals_kernel(
 ):  # fmt: skip
     token = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = token < total_q
-    # sequence r: the last with cu_q[r] <= token. ``while`` loops with runtime bounds: the
-    # interpreter cannot take runtime ints as ``range`` bounds under numpy >= 2.4; extra steps
-    # once left + 1 == right are no-ops (mid == left), so seq_steps = bit_length(num_seqs) is safe
-    left = tl.zeros([BLOCK], dtype=tl.int32)
-    right = tl.zeros([BLOCK], dtype=tl.int32) + num_seqs
-    step = 0
-    while step < seq_steps:
-        mid = (left + right) // 2
-        go_right = tl.load(cu_q_ptr + mid) <= token
-        left = tl.where(go_right, mid, left)
-        right = tl.where(go_right, right, mid)
-        step += 1
-    seq = left
+    seq = seq_of_rows(cu_q_ptr, token, num_seqs, seq_steps, BLOCK)
     kv_len = tl.load(kv_len_ptr + seq)
     causal = tl.load(causal_ptr + seq) != 0
     # positions fit int32 (cu_seqlens are int32); sums with the window may not: int64 for those

@@ -14,7 +14,7 @@ True
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -38,6 +38,10 @@ class Verdict:
     def ok(self) -> bool:
         lse_ok = self.lse_err is None or self.lse_err <= self.lse_bound
         return self.err <= self.bound and lse_ok
+
+    def as_dict(self) -> dict:
+        """For JSON reports: the four numbers and ``ok``."""
+        return {**asdict(self), "ok": self.ok}
 
     def __str__(self) -> str:
         s = f"err {self.err:.3g} (bound {self.bound:.3g})"

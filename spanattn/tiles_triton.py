@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_search import seq_of_rows
+
 
 @triton.jit
 def _tile_tables_kernel(
@@ -28,19 +30,8 @@ def _tile_tables_kernel(
     m = tl.program_id(0)
     rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
     valid = rows < total_q
-    # the sequence of each row: the last s with cu_q[s] <= row (binary search over cu_seqlens_q)
-    left = tl.zeros([BLOCK_M], dtype=tl.int32)
-    right = tl.zeros([BLOCK_M], dtype=tl.int32) + num_seqs
-    # ``while`` loops throughout: the interpreter cannot take runtime ints as ``range`` bounds
-    # under numpy >= 2.4, and this kernel is not worth software pipelining
-    step = 0
-    while step < search_steps:
-        mid = (left + right) // 2
-        go_right = tl.load(cu_q_ptr + mid) <= rows
-        left = tl.where(go_right, mid, left)
-        right = tl.where(go_right, right, mid)
-        step += 1
-    offset = tl.load(cu_k_ptr + left, mask=valid, other=0)
+    seq = seq_of_rows(cu_q_ptr, rows, num_seqs, search_steps, BLOCK_M)
+    offset = tl.load(cu_k_ptr + seq, mask=valid, other=0)
     alo = tl.load(lo_ptr + rows, mask=valid, other=0) + offset
     ahi = tl.load(hi_ptr + rows, mask=valid, other=0) + offset
     tl.store(alo_ptr + rows, alo, mask=valid)
@@ -51,6 +42,7 @@ def _tile_tables_kernel(
     total_p = 0
     total_f = 0
     c = 0
+    # ``while``: the interpreter cannot take runtime ints as ``range`` bounds (numpy >= 2.4)
     while c < num_kv_blocks:
         n = c + tl.arange(0, CHUNK)
         start = (n * BLOCK_N)[None, :]
