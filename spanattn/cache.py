@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .intervals import seq_ids
 from .plan import Plan
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -59,14 +60,12 @@ def check_paged(k_cache, v_cache, block_table, plan: Plan, *, names=("k_cache", 
 
 def _positions(plan: Plan, new_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence id, key position) of every packed key, or of this step's new keys only."""
-    dev = plan.device
-    n = plan.num_seqs
     if new_only:
-        count, total, cu = plan.cu_seqlens_q.diff(), plan.total_q, plan.cu_seqlens_q
+        total, cu, seq_id = plan.total_q, plan.cu_seqlens_q, plan.query_seq_ids()
     else:
-        count, total, cu = plan.seq_lens, plan.total_k, plan.cu_seqlens_k
-    seq_id = torch.repeat_interleave(torch.arange(n, device=dev), count.long(), output_size=total)
-    pos = torch.arange(total, device=dev) - cu[seq_id].long()
+        total, cu = plan.total_k, plan.cu_seqlens_k
+        seq_id = seq_ids(cu, total)
+    pos = torch.arange(total, device=plan.device) - cu[seq_id].long()
     if new_only:  # the new tokens are the last q_len keys of each sequence
         pos = pos + (plan.seq_lens - plan.cu_seqlens_q.diff()).long()[seq_id]
     return seq_id, pos

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .intervals import compute_intervals, dense_from_intervals, step_tensors
+from .intervals import compute_intervals, dense_from_intervals, seq_ids, step_tensors
 from .spec import Batch, LayerMask
 
 
@@ -60,6 +60,10 @@ class Plan:
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
+
+    def query_seq_ids(self) -> torch.Tensor:
+        """int64 ``[total_q]``: the sequence of each packed query (cached)."""
+        return self.cached("query_seq_ids", lambda: seq_ids(self.cu_seqlens_q, self.total_q))
 
     def seq_slice(self, i: int) -> slice:
         """Rows of sequence ``i`` in the packed query tensors."""

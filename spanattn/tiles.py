@@ -54,11 +54,7 @@ def packed_intervals(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     """
 
     def build():
-        q_lens = plan.cu_seqlens_q[1:] - plan.cu_seqlens_q[:-1]
-        seq_id = torch.repeat_interleave(
-            torch.arange(plan.num_seqs, device=plan.device), q_lens, output_size=plan.total_q
-        )
-        offset = plan.cu_seqlens_k[:-1][seq_id]
+        offset = plan.cu_seqlens_k[:-1][plan.query_seq_ids()]
         return (plan.lo + offset).to(torch.int32), (plan.hi + offset).to(torch.int32)
 
     return plan.cached("packed_intervals", build)

@@ -44,7 +44,7 @@ def build_schedule(plan, block_m: int, lpt: bool = True) -> TileSchedule:
     # here it only ranks tiles).
     cu_q = plan.cu_seqlens_q.long()
     token = torch.arange(plan.total_q, device=dev)
-    token_seq = torch.searchsorted(cu_q, token, right=True) - 1
+    token_seq = plan.query_seq_ids()
     token_tile = first_tile[token_seq] + (token - cu_q[token_seq]) // block_m
     lo_min = torch.full((total,), 2**31 - 1, dtype=torch.int32, device=dev)
     lo_min = lo_min.scatter_reduce(0, token_tile, plan.lo, "amin")
