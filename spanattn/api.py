@@ -12,7 +12,7 @@ from .cache import check_paged
 from .plan import Plan
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-AUTO_ORDER = ("triton", "sdpa", "reference")
+AUTO_ORDER = ("fa4", "triton", "sdpa", "reference")
 
 
 def _check(q, k, v, plan: Plan, block_table=None) -> None:
@@ -83,8 +83,9 @@ def attention(
         ``block_table[r, pos // block_size]``, offset ``pos % block_size``. Write the step's new
         keys first (:func:`spanattn.write_kv_cache`).
 
-    backend: ``"auto"`` takes the first that can run this call of triton (CUDA), sdpa, reference;
-        a backend named explicitly runs or raises, never falls back.
+    backend: ``"auto"`` takes the first that can run this call of fa4 (CUDA, FlashAttention-4
+        installed, head_dim <= 256), triton (CUDA), sdpa, reference; a backend named explicitly
+        runs or raises, never falls back.
     scale: softmax scale, default ``1 / sqrt(D)``. softcap: Gemma-2-style ``c * tanh(s / c)``.
 
     >>> import torch, spanattn as sa

@@ -55,7 +55,10 @@ def assert_tables_match(plan: sa.Plan, bm: int, bn: int):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    batch=batches(), layer=layers(), bm=st.sampled_from([16, 32, 64, 128]), bn=st.sampled_from([16, 64, 128])
+    batch=batches(),
+    layer=layers(),
+    bm=st.sampled_from([16, 32, 64, 128]),
+    bn=st.sampled_from([16, 64, 80, 112, 128]),  # 80, 112: FA4's key tiles at d256, d192
 )
 def test_tables_equal_dense_random(batch, layer, bm, bn):
     assert_tables_match(sa.plan(batch, layer), bm, bn)
@@ -72,7 +75,7 @@ def test_tables_equal_dense_random(batch, layer, bm, bn):
     ],
 )
 def test_tables_equal_dense_edges(seqs, layer):
-    for bm, bn in ((128, 128), (64, 32), (16, 128)):
+    for bm, bn in ((128, 128), (64, 32), (16, 128), (128, 80)):  # 80: FA4's d256 key tile
         assert_tables_match(sa.plan(sa.Batch(seqs), layer), bm, bn)
 
 
@@ -120,7 +123,7 @@ def test_build_from_raw_intervals():
 
 
 @settings(max_examples=15, deadline=None)
-@given(batch=batches(), layer=layers(), bm=st.sampled_from([32, 128]), bn=st.sampled_from([32, 128]))
+@given(batch=batches(), layer=layers(), bm=st.sampled_from([32, 128]), bn=st.sampled_from([32, 80, 128]))
 def test_fused_triton_tables_equal_torch(batch, layer, bm, bn):
     """tiles_triton.py (one launch, the CUDA default) builds the same tables and intervals."""
     pytest.importorskip("triton")

@@ -10,12 +10,14 @@ BACKENDS = {
     "sdpa": "spanattn.backends.sdpa",
     "flex": "spanattn.backends.flex",
     "triton": "spanattn.backends.triton",
+    "fa4": "spanattn.backends.fa4",
 }
 
 
 def load(name: str):
     """The module of backend ``name``; it exposes ``unavailable(q, plan, **opts) -> str | None``
-    (why it cannot run this call) and ``forward(q, k, v, plan, **opts) -> (out, lse)``."""
+    (why it cannot run this call) and ``forward(q, k, v, plan, **opts) -> (out, lse)``; one with
+    per-plan tables also has ``prepare(plan, head_dim)`` to build them ahead of the first call."""
     if name not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {name!r}")
     return importlib.import_module(BACKENDS[name])

@@ -43,9 +43,9 @@ def unavailable(q, plan, **opts) -> str | None:
     return None
 
 
-def prepare(plan) -> None:
+def prepare(plan, head_dim: int | None = None) -> None:
     """Build what a step needs once per plan (cached on it): tile tables and packed intervals
-    (tables first: on CUDA one launch writes both)."""
+    (tables first: on CUDA one launch writes both). Flex's blocks do not depend on head_dim."""
     tile_tables(plan, BLOCK_M, BLOCK_N)
     packed_intervals(plan)
 

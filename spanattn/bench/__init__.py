@@ -93,13 +93,13 @@ def _run_item(item: Item, sc, small, d, plan, qkv, dtype, device, check: bool) -
     row["ms"] = timing.kernel_ms(fn, device)
     row["tflops"] = 4 * d * HQ * plan.allowed_pairs() / (row["ms"] * 1e-3) / 1e12
     if item.planning is not None:
-        row["plan_ms"] = timing.host_ms(item.planning(sc, device), device)
+        row["plan_ms"] = timing.host_ms(item.planning(sc, device, d), device)
         if item.kind == "spanattn":  # of which spanattn.plan alone (the rest: the backend's tables)
             row["plan_core_ms"] = timing.host_ms(lambda: sa.plan(sc.batch, sc.layer, device), device)
         if item.name == "flex+create_block_mask" and torch.device(device).type == "cuda":
             # the peer at its best: create_block_mask compiled too; the faster one counts
             row["plan_ms_eager"] = row["plan_ms"]
-            row["plan_ms_compiled"] = timing.host_ms(item.planning(sc, device, compiled=True), device)
+            row["plan_ms_compiled"] = timing.host_ms(item.planning(sc, device, d, compiled=True), device)
             row["plan_ms"] = min(row["plan_ms_eager"], row["plan_ms_compiled"])
         row["total_ms"] = row["ms"] + row["plan_ms"]
     return {**row, "status": "ok"}

@@ -26,7 +26,7 @@ class Item:
     kind: str  # "spanattn" or "peer"
     unavailable: Callable  # (scenario, plan, q) -> str | None
     make: Callable  # (plan, q, k, v, scale) -> () -> out [total_q, Hq, D]
-    planning: Callable | None  # (scenario, device) -> () -> None, one step's planning
+    planning: Callable | None  # (scenario, device, head_dim) -> () -> None, one step's planning
     exact: Callable = lambda sc: True  # does it compute the scenario's mask?
     note: str | None = None
 
@@ -37,14 +37,14 @@ def backend_item(name: str) -> Item:
 
     def make(plan, q, k, v, scale):
         if prepare is not None:
-            prepare(plan)
+            prepare(plan, q.shape[-1])
         return lambda: mod.forward(q, k, v, plan, scale=scale)[0]
 
-    def planning(sc, device):
+    def planning(sc, device, head_dim):
         def step():
             p = sa.plan(sc.batch, sc.layer, device)
             if prepare is not None:
-                prepare(p)
+                prepare(p, head_dim)
 
         return step
 
@@ -83,7 +83,7 @@ def _flex_cbm_make(plan, q, k, v, scale):
     return lambda: run(q4, k4, v4, block_mask=block_mask, scale=scale, enable_gqa=True)[0].transpose(0, 1)
 
 
-def _flex_cbm_planning(sc, device, compiled=False):
+def _flex_cbm_planning(sc, device, head_dim, compiled=False):
     """The peer's per-step cost: ``create_block_mask`` over the same interval ``mask_mod`` (the
     per-token intervals it reads are given to it for free)."""
     from torch.nn.attention.flex_attention import create_block_mask

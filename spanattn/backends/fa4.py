@@ -1,0 +1,172 @@
+"""FlashAttention-4 lowering (optional: ``pip install flash-attn-4``, imported only when chosen).
+
+Two paths, picked per plan:
+
+- built-in: when every sequence is causal and no span is active, the plan's mask IS FA4's own
+  bottom-right causal mask (a sliding window of W keys is ``window_size=(W - 1, 0)``), so the
+  step goes to ``flash_attn_varlen_func`` unchanged: FA4's fastest path, nothing to build.
+- sparse: otherwise the packed step is ONE sequence of ``total_q`` queries by ``total_k`` keys
+  (as in the flex backend) with an interval ``mask_mod`` (``alo[q] <= kv <= ahi[q]``, read from
+  aux tensors) and FA4 block-sparse tensors made from the plan's tile tables at FA4's own tile
+  shape: FULL tiles run without the mask, PARTIAL tiles run ``mask_mod``, the rest are never
+  loaded. Intervals never leave their sequence, so no sequence-id check is needed.
+
+The sparse path uses FA4's fixed-length (batch 1) block sparsity rather than its varlen form: the
+packed tables already exist, are tested exact (tiles.py), and need no per-sequence offsets.
+Its tile shape is FA4's SM90 choice (128 queries by 128/112/80 keys for head_dim <= 128 / 192 /
+256), so it runs on SM90 only; the built-in path runs wherever FA4 does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..tiles import packed_intervals, tile_tables
+
+BLOCK_M = 128  # FA4's SM90 query tile; its block sparsity needs a multiple of it
+
+
+def _kv_tile(head_dim: int, windowed: bool = False) -> int:
+    """The key tile of the sparse path: FA4's SM90 choice for the head_dim (its sparse KV block
+    must be a multiple of the tile, and a smaller block shrinks the tile to match). At d256 a
+    sliding-window layer takes 64 like FA4's own local path: less of each window edge tile is
+    wasted."""
+    if head_dim <= 128:
+        return 128
+    if head_dim <= 192:
+        return 112
+    return 64 if windowed else 80
+
+
+def builtin(plan) -> bool:
+    """Is the plan's mask FA4's own causal (or causal sliding-window) mask?"""
+    seqs = plan.batch.seqs
+    no_spans = plan.layer.spans == "off" or not any(s.spans for s in seqs)
+    return no_spans and all(s.causal for s in seqs)
+
+
+@functools.cache
+def _import_error() -> str | None:
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception as e:  # a missing or broken install both mean "cannot run here"
+        return f"flash_attn.cute does not import ({type(e).__name__}: {e}); pip install flash-attn-4"
+    return None
+
+
+def unavailable(q, plan, **opts) -> str | None:
+    if not q.is_cuda:
+        return "FA4 runs on CUDA only"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"FA4 computes in float16/bfloat16 only, got {q.dtype}"
+    d = q.shape[-1]
+    if d % 8 or d > 256:
+        return f"FA4 supports head_dim a multiple of 8 up to 256 (SM90), got {d}"
+    if _import_error():
+        return _import_error()
+    major = torch.cuda.get_device_capability(q.device)[0]
+    if not builtin(plan) and major != 9:
+        return f"the sparse path uses FA4's SM90 tile shapes; this GPU is sm_{major}x"
+    return None
+
+
+@functools.cache
+def _interval_mask_mod():
+    """One module-level ``mask_mod`` (FA4 caches compiled kernels by its hash)."""
+    import cutlass
+    import cutlass.cute as cute
+    from flash_attn.cute.utils import scalar_to_ssa
+
+    @cute.jit
+    def interval_mask(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+        # aux rows are padded to whole query tiles, so rows past total_q read (0, -1): masked
+        lo = scalar_to_ssa(aux_tensors[0][q_idx[0]], cutlass.Int32)
+        hi = scalar_to_ssa(aux_tensors[1][q_idx[0]], cutlass.Int32)
+        return (kv_idx >= lo) & (kv_idx <= hi)
+
+    return interval_mask
+
+
+def sparse_inputs(plan, head_dim: int):
+    """The sparse path's inputs, cached on the plan: the tile tables at FA4's tile shape and the
+    packed intervals padded with the empty interval ``(0, -1)``: FA4 evaluates ``mask_mod`` on
+    every row of a last, short tile, and with GQA heads packed into tiles (FA4's default) those
+    rows reach past the last query tile's end by up to a tile."""
+    block_n = _kv_tile(head_dim, plan.layer.window is not None)
+
+    def build():
+        t = tile_tables(plan, BLOCK_M, block_n)
+        alo, ahi = packed_intervals(plan)
+        rows = (t.kv_num_blocks.shape[0] + 1) * BLOCK_M
+        pad_lo = torch.zeros(rows, dtype=torch.int32, device=alo.device)
+        pad_hi = torch.full((rows,), -1, dtype=torch.int32, device=alo.device)
+        pad_lo[: plan.total_q] = alo
+        pad_hi[: plan.total_q] = ahi
+        return t, [pad_lo, pad_hi]
+
+    return plan.cached(("fa4_sparse", block_n), build)
+
+
+def _block_sparse(t):
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+    # [batch 1, heads broadcast, query tiles(, key tiles)]: one table for every head
+    return BlockSparseTensorsTorch(
+        mask_block_cnt=t.kv_num_blocks[None, None],
+        mask_block_idx=t.kv_indices[None, None],
+        full_block_cnt=t.full_kv_num_blocks[None, None],
+        full_block_idx=t.full_kv_indices[None, None],
+        block_size=(t.BLOCK_M, t.BLOCK_N),
+    )
+
+
+def _pack_gqa(q, k) -> bool:
+    """Put the query heads that share a K/V head into one tile (loads K/V once for them)?
+    Measured on the H200 (S1-S4, GQA 2): faster at d256 (S2 -5%, S1 -2%), slower at d128
+    (S1 +9%, S4 +11%): at d256 K/V traffic weighs more against the tile's math."""
+    return q.shape[1] > k.shape[1] and q.shape[-1] > 128
+
+
+def prepare(plan, head_dim: int) -> None:
+    """Build the sparse path's tables once per plan (nothing for the built-in path)."""
+    if not builtin(plan):
+        sparse_inputs(plan, head_dim)
+
+
+def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+    common = {"softmax_scale": scale, "softcap": softcap or 0.0, "return_lse": return_lse}
+    if builtin(plan):
+        w = plan.layer.window
+        out, lse = flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_seqlens_q=plan.cu_seqlens_q,
+            cu_seqlens_k=plan.cu_seqlens_k,
+            max_seqlen_q=plan.max_seqlen_q,
+            max_seqlen_k=plan.max_seqlen_k,
+            causal=True,
+            window_size=(None, None) if w is None else (w - 1, 0),
+            **common,
+        )  # lse [Hq, total_q]
+    else:
+        tables, aux = sparse_inputs(plan, q.shape[-1])
+        out, lse = flash_attn_func(
+            q[None],
+            k[None],
+            v[None],
+            causal=False,
+            pack_gqa=_pack_gqa(q, k),
+            mask_mod=_interval_mask_mod(),
+            aux_tensors=aux,
+            block_sparse_tensors=_block_sparse(tables),
+            **common,
+        )
+        out, lse = out[0], None if lse is None else lse[0]  # lse [1, Hq, total_q] -> [Hq, total_q]
+    if not return_lse:
+        return out, None  # FA4 may hand back the LSE it keeps for backward anyway
+    return out, lse.transpose(0, 1).float().contiguous()

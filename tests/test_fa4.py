@@ -1,0 +1,84 @@
+"""The fa4 backend's lowering, checked without FA4: which path a plan takes, and that the block
+tables plus the interval mask_mod, run the way FA4's block-sparse loop runs them, give exactly
+the plan's mask. The kernel itself is checked on the GPU (benchmarks/gpu_fa4.py)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import batches, layers
+
+import spanattn as sa
+from spanattn.backends import fa4
+from spanattn.tiles import packed_intervals
+
+
+def emulate_fa4_mask(plan, head_dim: int) -> torch.Tensor:
+    """Boolean ``[total_q, total_k]``: what FA4 computes from the sparse inputs. Per query tile
+    it visits the listed PARTIAL tiles with ``mask_mod`` and the FULL tiles without it; every
+    other key tile is never loaded."""
+    t, (lo, hi) = fa4.sparse_inputs(plan, head_dim)
+    bm, bn = t.BLOCK_M, t.BLOCK_N
+    rows, cols = t.kv_num_blocks.shape[0] * bm, t.kv_indices.shape[1] * bn
+    kv = torch.arange(cols)
+    mask_mod = (kv[None, :] >= lo[:, None].long()) & (kv[None, :] <= hi[:, None].long())
+    got = torch.zeros(rows, cols, dtype=torch.bool)
+    for m in range(t.kv_num_blocks.shape[0]):
+        r = slice(m * bm, (m + 1) * bm)
+        for n in t.kv_indices[m, : t.kv_num_blocks[m]].tolist():
+            got[r, n * bn : (n + 1) * bn] = mask_mod[r, n * bn : (n + 1) * bn]
+        for n in t.full_kv_indices[m, : t.full_kv_num_blocks[m]].tolist():
+            got[r, n * bn : (n + 1) * bn] = True
+    return got[: plan.total_q, : plan.total_k]
+
+
+def packed_dense(plan) -> torch.Tensor:
+    alo, ahi = packed_intervals(plan)
+    kv = torch.arange(plan.total_k)
+    return (kv[None, :] >= alo[:, None]) & (kv[None, :] <= ahi[:, None])
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=batches(), layer=layers(), head_dim=st.sampled_from([64, 128, 192, 256]))
+def test_sparse_lowering_is_the_plans_mask(batch, layer, head_dim):
+    plan = sa.plan(batch, layer)
+    assert torch.equal(emulate_fa4_mask(plan, head_dim), packed_dense(plan))
+
+
+def test_kv_tile_follows_fa4_sm90_tiles():
+    # FA4 rejects a sparse key block that is not a multiple of its own key tile
+    assert [fa4._kv_tile(d) for d in (64, 128, 160, 192, 256)] == [128, 128, 112, 112, 80]
+    assert fa4._kv_tile(256, windowed=True) == 64  # FA4's own local path at d256
+    plan = sa.plan(sa.Batch([sa.Seq(300, spans=[(20, 150)])]), sa.LayerMask(spans="on"))
+    t, (lo, hi) = fa4.sparse_inputs(plan, 256)
+    assert (t.BLOCK_M, t.BLOCK_N) == (128, 80) and lo.shape == hi.shape == (512,)
+    assert bool((lo[300:] > hi[300:]).all())  # padding rows: empty interval
+    assert fa4.sparse_inputs(plan, 256)[0] is t  # cached on the plan
+
+
+@pytest.mark.parametrize(
+    "seqs, layer, builtin",
+    [
+        ([sa.Seq(100), sa.Seq(5, kv_len=40)], sa.LayerMask(), True),
+        ([sa.Seq(100)], sa.LayerMask(window=16), True),
+        ([sa.Seq(100, spans=[(10, 30)])], sa.LayerMask(spans="off"), True),
+        ([sa.Seq(100, spans=[(10, 30)])], sa.LayerMask(window=16), False),
+        ([sa.Seq(100), sa.Seq(8, causal=False)], sa.LayerMask(), False),
+    ],
+)
+def test_builtin_path_only_when_the_mask_is_fa4s_own(seqs, layer, builtin):
+    plan = sa.plan(sa.Batch(seqs), layer)
+    assert fa4.builtin(plan) is builtin
+    if builtin:  # FA4's bottom-right causal mask, with a window of W keys incl. self
+        w = layer.window or 10**9
+        for i, s in enumerate(plan.batch.seqs):
+            q = torch.arange(s.q_len)[:, None] + s.kv_len - s.q_len
+            k = torch.arange(s.kv_len)[None, :]
+            assert torch.equal(plan.to_dense(i), (k <= q) & (k > q - w))
+
+
+def test_named_fa4_never_falls_back():
+    plan = sa.plan(sa.Batch([sa.Seq(8)]), sa.LayerMask())
+    q = torch.randn(8, 2, 64)
+    with pytest.raises(RuntimeError, match="backend='fa4' cannot run this call"):
+        sa.attention(q, q[:, :1], q[:, :1], plan, backend="fa4")
