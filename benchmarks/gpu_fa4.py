@@ -1,0 +1,232 @@
+"""Check and time the fa4 backend on one GPU in one call (FA4 carried as DEVICE.md says).
+
+    python benchmarks/gpu_fa4.py --parts check,count,bench --out $OUT/fa4.json
+
+check: correctness grid (bf16/fp16, D 64/128/256, GQA 1/2/8, windows, span modes, mixed batches,
+    softcap, LSE) on both paths (FA4's built-in causal/window, and the interval mask_mod with
+    block-sparse tables), held to DESIGN.md section 4's rule; outputs land in NaN-poisoned memory.
+count: FA4 kernel compilations over random steps (lengths, spans, flags, batch size change).
+bench: scenarios S0-S4: the fa4 backend against FA4's built-in causal/window mask on the same
+    step (the speed of light: it ignores spans), FA4 with the interval mask_mod and no block
+    sparsity (the shape vLLM's mm_prefix path runs), and our triton backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import time
+
+import torch
+
+import spanattn as sa
+from spanattn.backends import fa4
+from spanattn.backends import triton as tb
+from spanattn.bench.timing import host_ms, kernel_ms, poison
+from spanattn.oracle import Truth
+from spanattn.scenarios import HKV, HQ, scenarios
+
+DEV = "cuda"
+
+
+def rand_qkv(p, hq, hkv, d, dtype, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    r = lambda n, h: torch.randn(n, h, d, device=DEV, dtype=dtype, generator=g)
+    return r(p.total_q, hq), r(p.total_k, hkv), r(p.total_k, hkv)
+
+
+def check_one(batch, layer, dtype, d, hq, hkv, softcap=None):
+    p = sa.plan(batch, layer, device=DEV)
+    q, k, v = rand_qkv(p, hq, hkv, d, dtype)
+    scale = d**-0.5
+    poison(DEV, 8 * q.numel() * q.element_size())  # FA4 allocates its output: make it NaN first
+    t0 = time.perf_counter()
+    out, lse = fa4.forward(q, k, v, p, scale=scale, softcap=softcap, return_lse=True)
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    verdict = Truth(q, k, v, p, scale=scale, softcap=softcap).check(out, lse, rounding_slack=True)
+    return {"path": "builtin" if fa4.builtin(p) else "sparse", "first_call_s": first_s, **verdict.as_dict()}
+
+
+def grid():
+    mixed = sa.Batch(
+        [
+            sa.Seq(q_len=700, kv_len=1300, spans=[(150, 449), (1000, 1199)]),
+            sa.Seq(q_len=1, kv_len=517),
+            sa.Seq(q_len=129, kv_len=129, spans=[(64, 127)]),
+            sa.Seq(q_len=200, kv_len=333, causal=False),
+            sa.Seq(q_len=1, kv_len=1),
+        ]
+    )
+    causal = sa.Batch([sa.Seq(q_len=700, kv_len=1300), sa.Seq(q_len=1, kv_len=517), sa.Seq(129)])
+    return {
+        ("mixed", "on"): (mixed, sa.LayerMask(spans="on")),
+        ("mixed", "W37_clamp"): (mixed, sa.LayerMask(window=37, spans="clamp")),
+        ("mixed", "W200_on"): (mixed, sa.LayerMask(window=200, spans="on")),
+        ("mixed", "W1"): (mixed, sa.LayerMask(window=1)),
+        ("mixed", "causal_flags"): (mixed, sa.LayerMask(spans="off")),  # non-causal row: sparse
+        ("causal", "causal"): (causal, sa.LayerMask(spans="off")),  # built-in
+        ("causal", "W64"): (causal, sa.LayerMask(window=64)),  # built-in window
+    }
+
+
+def part_check(res, log):
+    rows = []
+    cases = [(torch.bfloat16, d, 16, 8) for d in (64, 128, 256)]
+    cases += [(torch.bfloat16, 128, 8, 8), (torch.bfloat16, 128, 16, 2), (torch.float16, 128, 16, 8)]
+    for dtype, d, hq, hkv in cases:
+        for (bname, lname), (batch, layer) in grid().items():
+            if (hq, hkv) != (16, 8) or dtype != torch.bfloat16:
+                if lname not in ("on", "causal"):
+                    continue  # GQA and dtype variants: one layer per path is enough
+            r = check_one(batch, layer, dtype, d, hq, hkv)
+            rows.append({"dtype": str(dtype), "d": d, "hq": hq, "hkv": hkv, "case": f"{bname}/{lname}", **r})
+            log(f"check {rows[-1]}")
+    for d in (128, 256):
+        for name in (("mixed", "W200_on"), ("causal", "causal")):
+            batch, layer = grid()[name]
+            r = check_one(batch, layer, torch.bfloat16, d, 16, 8, softcap=30.0)
+            case = "/".join(name) + "+softcap"
+            rows.append({"dtype": "bf16", "d": d, "hq": 16, "hkv": 8, "case": case, **r})
+            log(f"check {rows[-1]}")
+    for sid, sc in scenarios(8).items():  # the standard steps at 1/8 size
+        if sc.decode:
+            continue
+        for d in (x for x in sc.head_dims if x <= 256):
+            r = check_one(sc.batch, sc.layer, torch.bfloat16, d, HQ, HKV)
+            rows.append({"dtype": "bf16", "d": d, "hq": HQ, "hkv": HKV, "case": f"{sid} at 1/8", **r})
+            log(f"check {rows[-1]}")
+    res["check"] = rows
+    res["check_all_ok"] = all(r["ok"] for r in rows)
+
+
+COMPILES = [0]
+
+
+def _count_compiles():
+    """Count cute.compile calls: FA4 compiles once per new kernel key and caches the result."""
+    import cutlass.cute as cute
+
+    compile_ = cute.compile
+
+    def counted(*a, **kw):
+        COMPILES[0] += 1
+        return compile_(*a, **kw)
+
+    cute.compile = counted
+
+
+def _compiles() -> int:
+    return COMPILES[0]
+
+
+def part_count(res, log, steps=30):
+    _count_compiles()
+    rnd = random.Random(0)
+    before = _compiles()
+    per_step = []
+    for i in range(steps):
+        seqs = []
+        for _ in range(rnd.randint(1, 6)):
+            kv = rnd.randint(1, 3000)
+            q = kv if rnd.random() < 0.5 else rnd.randint(1, kv)
+            a = rnd.randint(0, kv - 1)
+            spans = [(a, min(kv - 1, a + rnd.randint(1, 400)))] if rnd.random() < 0.7 else []
+            seqs.append(sa.Seq(q_len=q, kv_len=kv, spans=spans, causal=rnd.random() < 0.85))
+        layer = sa.LayerMask(window=rnd.choice([None, 256]), spans=rnd.choice(["on", "clamp"]))
+        p = sa.plan(sa.Batch(seqs), layer, device=DEV)
+        q, k, v = rand_qkv(p, HQ, HKV, 128, torch.bfloat16, seed=i)
+        n0 = _compiles()
+        fa4.forward(q, k, v, p, scale=128**-0.5)
+        per_step.append(_compiles() - n0)
+    res["count"] = {"steps": steps, "new_compiles_total": _compiles() - before, "per_step": per_step}
+    log(f"count {res['count']}")
+
+
+def _fa4_builtin(p, q, k, v, scale):
+    from flash_attn.cute import flash_attn_varlen_func
+
+    w = p.layer.window
+    win = (None, None) if w is None else (w - 1, 0)
+    return lambda: flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k, max_seqlen_q=p.max_seqlen_q,
+        max_seqlen_k=p.max_seqlen_k, softmax_scale=scale, causal=True, window_size=win,
+    )  # fmt: skip
+
+
+def _fa4_maskmod_dense(p, q, k, v, scale):
+    """FA4 with the same interval mask_mod but no block sparsity: every tile evaluates it."""
+    from flash_attn.cute import flash_attn_func
+
+    _, aux = fa4.sparse_inputs(p, q.shape[-1])
+    mm = fa4._interval_mask_mod()
+    kw = {"softmax_scale": scale, "causal": False, "mask_mod": mm, "aux_tensors": aux}
+    return lambda: flash_attn_func(q[None], k[None], v[None], **kw)
+
+
+def bench_one(sid, sc, d):
+    p = sa.plan(sc.batch, sc.layer, device=DEV)
+    q, k, v = rand_qkv(p, HQ, HKV, d, torch.bfloat16)
+    scale, flops = d**-0.5, 4 * d * HQ * p.allowed_pairs()
+    row = {"scenario": sid, "d": d, "path": "builtin" if fa4.builtin(p) else "sparse"}
+    fa4.prepare(p, d)
+    fns = {
+        "fa4 (ours)": lambda: fa4.forward(q, k, v, p, scale=scale),
+        "triton (ours)": lambda: tb.forward(q, k, v, p, scale=scale),
+        "fa4 built-in causal/window": _fa4_builtin(p, q, k, v, scale),
+    }
+    if sid in ("S1", "S2"):
+        fns["fa4 mask_mod, no block sparsity"] = _fa4_maskmod_dense(p, q, k, v, scale)
+    for name, fn in fns.items():
+        ms = kernel_ms(fn, DEV)
+        row[name] = {"ms": ms, "tflops": flops / ms / 1e9}
+    row["ours_vs_builtin"] = row["fa4 built-in causal/window"]["ms"] / row["fa4 (ours)"]["ms"]
+    row["plan_ms"] = host_ms(lambda: fa4.prepare(sa.plan(sc.batch, sc.layer, DEV), d), DEV)
+    if not fa4.builtin(p):
+        t = fa4.sparse_inputs(p, d)[0]
+        row["tiles"] = {"partial": int(t.kv_num_blocks.sum()), "full": int(t.full_kv_num_blocks.sum())}
+    return row
+
+
+def part_bench(res, log, ids):
+    rows = []
+    for sid, sc in scenarios(1).items():
+        for d in (x for x in sc.head_dims if x <= 256 and sid in ids):
+            rows.append(bench_one(sid, sc, d))
+            log(f"bench {rows[-1]}")
+    res["bench"] = rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="check,count,bench")
+    ap.add_argument("--scenarios", default="S0,S1,S2,S3,S4")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    import flash_attn
+
+    res = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "flash_attn_4": getattr(flash_attn, "__version__", "?"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    t0 = time.time()
+
+    def log(msg):
+        print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
+
+    ids = args.scenarios.split(",")
+    parts = {"check": part_check, "count": part_count, "bench": lambda r, lg: part_bench(r, lg, ids)}
+    for name in args.parts.split(","):
+        parts[name](res, log)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    log("done")
+
+
+if __name__ == "__main__":
+    main()
