@@ -92,10 +92,15 @@ def slot_mapping(plan: Plan, block_table, block_size: int) -> torch.Tensor:
     return _slots(block_table.to(plan.device), block_size, *_positions(plan, new_only=True))
 
 
+def key_slots(plan: Plan, block_table, block_size: int) -> torch.Tensor:
+    """int64 ``[total_k]`` cache slots of every key of the step, in packed (varlen) order."""
+    return _slots(block_table, block_size, *_positions(plan, new_only=False))
+
+
 def gather_kv(k_cache, v_cache, block_table, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed ``k, v [total_k, Hkv, D]`` (the varlen layout) copied out of the pages."""
     check_paged(k_cache, v_cache, block_table, plan)
-    slots = _slots(block_table, k_cache.shape[1], *_positions(plan, new_only=False))
+    slots = key_slots(plan, block_table, k_cache.shape[1])
     flat = (-1, *k_cache.shape[2:])
     return k_cache.reshape(flat)[slots], v_cache.reshape(flat)[slots]
 

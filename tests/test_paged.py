@@ -168,6 +168,37 @@ def test_prefill_kernel_paged_tiles(page, config, layer, dtype):
     assert_close_to_truth(paged[0].cpu(), paged[1].cpu(), *(t.cpu() for t in (q, k, v)), _cpu(p), scale=0.25)
 
 
+def test_prefill_copies_small_pages_out_on_long_walks(monkeypatch):
+    """A step whose keys are each seen by many queries copies its pages into packed K/V first
+    (threshold lowered here to reach that path at test size): bit-equal to packed K/V."""
+    from spanattn.backends import triton as tb
+
+    monkeypatch.setattr(tb, "GATHER_PAIRS_PER_KEY", 0)
+    p, q, k, v, kc, vc, bt = paged_step(PREFILL, sa.LayerMask(spans="on"), 2, 1, 16, 16, torch.float16)
+    assert tb.gathers_pages(p, 16, 32) and not tb.gathers_pages(p, 32, 32)
+    run = lambda k, v, **kw: tb.forward(
+        q, k, v, p, scale=0.25, return_lse=True, config=_cfg(32), kernel="prefill", **kw
+    )
+    paged, packed = run(kc, vc, block_table=bt), run(k, v)
+    assert torch.equal(paged[0], packed[0]) and torch.equal(paged[1], packed[1])
+    again = run(kc, vc, block_table=bt)  # the plan's copy buffers are reused, overwritten
+    assert torch.equal(again[0], packed[0])
+
+
+def test_which_steps_copy_pages_out():
+    """At page 16, 128-key tiles and GQA 2: the global layer (S2, ~16k pairs per key) copies,
+    the sliding and chunked layers (S1, S3: 0.4-1k) walk the pages; page 128 never copies."""
+    from spanattn.backends import triton as tb
+    from spanattn.scenarios import scenarios
+
+    sc = scenarios()
+    plans = {i: sa.plan(sc[i].batch, sc[i].layer) for i in ("S0", "S1", "S2", "S3")}
+    for d in (128, 256):
+        got = {i: tb.gathers_pages(p, 16, 128, 2, d) for i, p in plans.items()}
+        assert got == {"S0": True, "S1": False, "S2": True, "S3": False}
+    assert not tb.gathers_pages(plans["S2"], 128, 128, 2)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_replays_new_steps():
     from spanattn.backends.triton.decode import decode_forward
