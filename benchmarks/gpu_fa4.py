@@ -6,6 +6,7 @@ check: correctness grid (bf16/fp16, D 64/128/256, GQA 1/2/8, windows, span modes
     softcap, LSE) on both paths (FA4's built-in causal/window, and the interval mask_mod with
     block-sparse tables), held to DESIGN.md section 4's rule; outputs land in NaN-poisoned memory.
 count: FA4 kernel compilations over random steps (lengths, spans, flags, batch size change).
+mixed: a serving step (prefill chunks with images, 64 decode rows, canvases): fa4 vs triton.
 bench: scenarios S0-S4: the fa4 backend against FA4's built-in causal/window mask on the same
     step (the speed of light: it ignores spans), FA4 with the interval mask_mod and no block
     sparsity (the shape vLLM's mm_prefix path runs), and our triton backend.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import random
 import time
@@ -72,10 +74,11 @@ def grid():
     }
 
 
-def part_check(res, log):
+def part_check(res, log, quick=False):
     rows = []
-    cases = [(torch.bfloat16, d, 16, 8) for d in (64, 128, 256)]
-    cases += [(torch.bfloat16, 128, 8, 8), (torch.bfloat16, 128, 16, 2), (torch.float16, 128, 16, 8)]
+    cases = [(torch.bfloat16, d, 16, 8) for d in ((128,) if quick else (64, 128, 256))]
+    if not quick:
+        cases += [(torch.bfloat16, 128, 8, 8), (torch.bfloat16, 128, 16, 2), (torch.float16, 128, 16, 8)]
     for dtype, d, hq, hkv in cases:
         for (bname, lname), (batch, layer) in grid().items():
             if (hq, hkv) != (16, 8) or dtype != torch.bfloat16:
@@ -84,7 +87,7 @@ def part_check(res, log):
             r = check_one(batch, layer, dtype, d, hq, hkv)
             rows.append({"dtype": str(dtype), "d": d, "hq": hq, "hkv": hkv, "case": f"{bname}/{lname}", **r})
             log(f"check {rows[-1]}")
-    for d in (128, 256):
+    for d in () if quick else (128, 256):
         for name in (("mixed", "W200_on"), ("causal", "causal")):
             batch, layer = grid()[name]
             r = check_one(batch, layer, torch.bfloat16, d, 16, 8, softcap=30.0)
@@ -94,7 +97,7 @@ def part_check(res, log):
     for sid, sc in scenarios(8).items():  # the standard steps at 1/8 size
         if sc.decode:
             continue
-        for d in (x for x in sc.head_dims if x <= 256):
+        for d in (x for x in sc.head_dims if x <= (128 if quick else 256)):
             r = check_one(sc.batch, sc.layer, torch.bfloat16, d, HQ, HKV)
             rows.append({"dtype": "bf16", "d": d, "hq": HQ, "hkv": HKV, "case": f"{sid} at 1/8", **r})
             log(f"check {rows[-1]}")
@@ -199,11 +202,39 @@ def part_bench(res, log, ids):
     res["bench"] = rows
 
 
+def mixed_step():
+    """A serving step: two prefill chunks with images, 64 decode rows, four diffusion canvases."""
+    rnd = random.Random(3)
+    seqs = [sa.Seq(q_len=2048, kv_len=kv, spans=[(kv - 1500, kv - 400)]) for kv in (6000, 9000)]
+    seqs += [sa.Seq(q_len=1, kv_len=rnd.randint(4096, 16384)) for _ in range(64)]
+    seqs += [sa.Seq(q_len=256, kv_len=2048, causal=False) for _ in range(4)]
+    return sa.Batch(seqs)
+
+
+def part_mixed(res, log):
+    """fa4 (each sequence on its own query tiles) against triton on a mixed serving step, both
+    checked against fp64 truth at this size first."""
+    rows = []
+    for layer in (sa.LayerMask(spans="on"), sa.LayerMask(window=1024, spans="clamp")):
+        p = sa.plan(mixed_step(), layer, device=DEV)
+        q, k, v = rand_qkv(p, HQ, HKV, 128, torch.bfloat16)
+        truth = Truth(q, k, v, p, scale=128**-0.5)
+        row = {"layer": repr(layer), "total_q": p.total_q, "total_k": p.total_k}
+        for name, fwd in (("fa4", fa4.forward), ("triton", tb.forward)):
+            run = functools.partial(fwd, q, k, v, p, scale=128**-0.5)
+            row[name] = {"check": truth.check(run()[0], rounding_slack=True).as_dict()}
+            row[name]["ms"] = kernel_ms(run, DEV)
+        rows.append(row)
+        log(f"mixed {row}")
+    res["mixed"] = rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="check,count,bench")
     ap.add_argument("--scenarios", default="S0,S1,S2,S3,S4")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true", help="check: d128 bf16 GQA 2 only")
     args = ap.parse_args()
     import flash_attn
 
@@ -220,7 +251,12 @@ def main():
         print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
 
     ids = args.scenarios.split(",")
-    parts = {"check": part_check, "count": part_count, "bench": lambda r, lg: part_bench(r, lg, ids)}
+    parts = {
+        "check": lambda r, lg: part_check(r, lg, args.quick),
+        "count": part_count,
+        "bench": lambda r, lg: part_bench(r, lg, ids),
+        "mixed": part_mixed,
+    }
     for name in args.parts.split(","):
         parts[name](res, log)
         with open(args.out, "w") as f:

@@ -110,6 +110,8 @@ def attention(
             if getattr(mod, "AUTO_NEEDS_CUDA", False) and q.device.type != "cuda":
                 continue  # e.g. triton's interpreter: correct but far too slow to pick unasked
             why = _unavailable(mod, q, plan, opts)
+            if why is None and hasattr(mod, "auto_declines"):  # could run, another suits better
+                why = mod.auto_declines(q, plan, **opts)
             if why is None:
                 break
             reasons.append(f"{name}: {why}")

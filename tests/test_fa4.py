@@ -18,18 +18,26 @@ def emulate_fa4_mask(plan, head_dim: int) -> torch.Tensor:
     it visits the listed PARTIAL tiles with ``mask_mod`` and the FULL tiles without it; every
     other key tile is never loaded."""
     t, (lo, hi) = fa4.sparse_inputs(plan, head_dim)
+    rows, num_rows = fa4.query_rows(plan)
     bm, bn = t.BLOCK_M, t.BLOCK_N
-    rows, cols = t.kv_num_blocks.shape[0] * bm, t.kv_indices.shape[1] * bn
+    assert t.kv_num_blocks.shape[0] * bm == -(-num_rows // bm) * bm
+    cols = t.kv_indices.shape[1] * bn
     kv = torch.arange(cols)
     mask_mod = (kv[None, :] >= lo[:, None].long()) & (kv[None, :] <= hi[:, None].long())
-    got = torch.zeros(rows, cols, dtype=torch.bool)
+    got = torch.zeros(t.kv_num_blocks.shape[0] * bm, cols, dtype=torch.bool)
     for m in range(t.kv_num_blocks.shape[0]):
         r = slice(m * bm, (m + 1) * bm)
         for n in t.kv_indices[m, : t.kv_num_blocks[m]].tolist():
             got[r, n * bn : (n + 1) * bn] = mask_mod[r, n * bn : (n + 1) * bn]
         for n in t.full_kv_indices[m, : t.full_kv_num_blocks[m]].tolist():
             got[r, n * bn : (n + 1) * bn] = True
-    return got[: plan.total_q, : plan.total_k]
+    got = got[:, : plan.total_k]
+    if rows is None:
+        return got[: plan.total_q]
+    padding = torch.ones(got.shape[0], dtype=torch.bool)
+    padding[rows] = False
+    assert not got[padding].any()  # padding rows see nothing
+    return got[rows]
 
 
 def packed_dense(plan) -> torch.Tensor:
@@ -43,6 +51,21 @@ def packed_dense(plan) -> torch.Tensor:
 def test_sparse_lowering_is_the_plans_mask(batch, layer, head_dim):
     plan = sa.plan(batch, layer)
     assert torch.equal(emulate_fa4_mask(plan, head_dim), packed_dense(plan))
+
+
+def test_each_sequence_gets_its_own_query_tiles():
+    """Decode rows beside a chunk: packed, one tile would hold all 40 decode rows and walk the
+    keys of all 40 sequences; laid out per sequence, no tile walks more than its own."""
+    seqs = [sa.Seq(q_len=300, kv_len=900, spans=[(400, 699)])] + [sa.Seq(1, kv_len=1000)] * 40
+    plan = sa.plan(sa.Batch(seqs), sa.LayerMask(spans="on"))
+    rows, num_rows = fa4.query_rows(plan)
+    assert num_rows == 384 + 40 * 128 and rows[:300].tolist() == list(range(300))
+    assert rows[300:].tolist() == [384 + 128 * i for i in range(40)]
+    t, _ = fa4.sparse_inputs(plan, 128)
+    per_tile = t.kv_num_blocks + t.full_kv_num_blocks
+    assert int(per_tile.max()) <= 9  # ceil(1000 / 128) + 1 straddled block, never 40 sequences'
+    aligned = sa.plan(sa.Batch([sa.Seq(256), sa.Seq(5)]), sa.LayerMask(spans="on"))
+    assert fa4.query_rows(aligned) == (None, 261)  # only the last sequence may end mid-tile
 
 
 def test_kv_tile_follows_fa4_sm90_tiles():
@@ -75,6 +98,19 @@ def test_builtin_path_only_when_the_mask_is_fa4s_own(seqs, layer, builtin):
             q = torch.arange(s.q_len)[:, None] + s.kv_len - s.q_len
             k = torch.arange(s.kv_len)[None, :]
             assert torch.equal(plan.to_dense(i), (k <= q) & (k > q - w))
+
+
+def test_auto_passes_decode_and_ragged_steps_to_triton():
+    q, on = torch.empty(0, 2, 64), sa.LayerMask(spans="on")
+    step = lambda layer, *seqs: sa.plan(sa.Batch(list(seqs)), layer)
+    decode = step(on, sa.Seq(1, kv_len=900), sa.Seq(4, kv_len=50, causal=False))
+    assert "split-KV" in fa4.auto_declines(q, decode)
+    ragged = step(on, sa.Seq(300, kv_len=900, spans=[(0, 99)]), sa.Seq(1, kv_len=50))
+    assert "longest-first" in fa4.auto_declines(q, ragged)
+    text = step(on, sa.Seq(300, kv_len=900), sa.Seq(1, kv_len=50))  # built-in path: FA4's own tiles
+    assert fa4.auto_declines(q, text) is None
+    aligned = step(on, sa.Seq(256, spans=[(0, 99)]), sa.Seq(300, kv_len=900))
+    assert fa4.auto_declines(q, aligned) is None
 
 
 def test_named_fa4_never_falls_back():

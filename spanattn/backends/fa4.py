@@ -5,11 +5,14 @@ Two paths, picked per plan:
 - built-in: when every sequence is causal and no span is active, the plan's mask IS FA4's own
   bottom-right causal mask (a sliding window of W keys is ``window_size=(W - 1, 0)``), so the
   step goes to ``flash_attn_varlen_func`` unchanged: FA4's fastest path, nothing to build.
-- sparse: otherwise the packed step is ONE sequence of ``total_q`` queries by ``total_k`` keys
-  (as in the flex backend) with an interval ``mask_mod`` (``alo[q] <= kv <= ahi[q]``, read from
-  aux tensors) and FA4 block-sparse tensors made from the plan's tile tables at FA4's own tile
-  shape: FULL tiles run without the mask, PARTIAL tiles run ``mask_mod``, the rest are never
-  loaded. Intervals never leave their sequence, so no sequence-id check is needed.
+- sparse: otherwise the packed step is ONE sequence of queries by ``total_k`` keys (as in the
+  flex backend) with an interval ``mask_mod`` (``alo[q] <= kv <= ahi[q]``, read from aux
+  tensors) and FA4 block-sparse tensors made from tile tables at FA4's own tile shape: FULL
+  tiles run without the mask, PARTIAL tiles run ``mask_mod``, the rest are never loaded.
+  Intervals never leave their sequence, so no sequence-id check is needed. Each sequence's
+  queries start on a query-tile boundary (padding rows with an empty interval where a length is
+  not a multiple of the tile): a tile shared by many short sequences (decode rows beside a
+  chunk) would otherwise visit the keys of all of them, for every row.
 
 The sparse path uses FA4's fixed-length (batch 1) block sparsity rather than its varlen form: the
 packed tables already exist, are tested exact (tiles.py), and need no per-sequence offsets.
@@ -23,7 +26,7 @@ import functools
 
 import torch
 
-from ..tiles import packed_intervals, tile_tables
+from ..tiles import build_tile_tables, packed_intervals, tile_tables
 
 BLOCK_M = 128  # FA4's SM90 query tile; its block sparsity needs a multiple of it
 
@@ -72,6 +75,27 @@ def unavailable(q, plan, **opts) -> str | None:
     return None
 
 
+def auto_declines(q, plan, **opts) -> str | None:
+    """Why ``backend="auto"`` should pass over fa4 although it could run (then triton runs it):
+
+    - decode-shaped steps (every q_len tiny): triton's split-KV kernel reads each K/V byte once
+      per KV head across many programs; FA4 would give each (sequence, head) one 128-row tile;
+    - sparse-path steps whose sequences need padding to own their query tiles (short rows
+      beside chunks): measured on the H200 (chunks with images + 64 decode rows + canvases),
+      fa4 ran 1.02x (global) and 1.29x (sliding) triton's time there; its tiles run in a fixed
+      order, triton's longest first.
+    """
+    try:
+        from .triton.decode import MAX_Q_LEN
+    except ImportError:  # no triton: nothing better to go to
+        return None
+    if plan.max_seqlen_q <= MAX_Q_LEN:
+        return f"decode-shaped step (q_len <= {MAX_Q_LEN}): the split-KV kernel suits it better"
+    if not builtin(plan) and not _tile_aligned(plan):
+        return "short sequences share the step with chunks: triton's longest-first tile order suits it better"
+    return None
+
+
 @functools.cache
 def _interval_mask_mod():
     """One module-level ``mask_mod`` (FA4 caches compiled kernels by its hash)."""
@@ -89,21 +113,49 @@ def _interval_mask_mod():
     return interval_mask
 
 
+def _tile_aligned(plan) -> bool:
+    """Does every sequence already start on a query-tile boundary in the packed layout?"""
+    return all(s.q_len % BLOCK_M == 0 for s in plan.batch.seqs[:-1])
+
+
+def query_rows(plan) -> tuple[torch.Tensor | None, int]:
+    """``(rows, num_rows)``: the row of each packed query in FA4's query layout, where every
+    sequence starts on a tile boundary; ``rows`` is None when the packed layout already does
+    (every sequence but the last a multiple of the tile long: the standard scenarios)."""
+    seqs = plan.batch.seqs
+    if _tile_aligned(plan):
+        return None, plan.total_q
+
+    def build():
+        padded = (plan.cu_seqlens_q.diff() + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        starts = torch.cumsum(padded, 0) - padded
+        seq = plan.query_seq_ids()
+        local = torch.arange(plan.total_q, device=plan.device) - plan.cu_seqlens_q[seq]
+        return starts[seq] + local
+
+    return plan.cached("fa4_query_rows", build), sum(-(-s.q_len // BLOCK_M) * BLOCK_M for s in seqs)
+
+
 def sparse_inputs(plan, head_dim: int):
     """The sparse path's inputs, cached on the plan: the tile tables at FA4's tile shape and the
-    packed intervals padded with the empty interval ``(0, -1)``: FA4 evaluates ``mask_mod`` on
-    every row of a last, short tile, and with GQA heads packed into tiles (FA4's default) those
-    rows reach past the last query tile's end by up to a tile."""
+    packed intervals in FA4's query layout (``query_rows``), every other row holding the empty
+    interval ``(0, -1)``. A tile past the last has them too: FA4 evaluates ``mask_mod`` on every
+    row of a short last tile, and with GQA heads packed into tiles (FA4's default) those rows
+    reach past it by up to a tile."""
     block_n = _kv_tile(head_dim, plan.layer.window is not None)
 
     def build():
-        t = tile_tables(plan, BLOCK_M, block_n)
+        rows, num_rows = query_rows(plan)
         alo, ahi = packed_intervals(plan)
-        rows = (t.kv_num_blocks.shape[0] + 1) * BLOCK_M
-        pad_lo = torch.zeros(rows, dtype=torch.int32, device=alo.device)
-        pad_hi = torch.full((rows,), -1, dtype=torch.int32, device=alo.device)
-        pad_lo[: plan.total_q] = alo
-        pad_hi[: plan.total_q] = ahi
+        size = (-(-num_rows // BLOCK_M) + 1) * BLOCK_M
+        pad_lo = torch.zeros(size, dtype=torch.int32, device=alo.device)
+        pad_hi = torch.full((size,), -1, dtype=torch.int32, device=alo.device)
+        if rows is None:
+            t = tile_tables(plan, BLOCK_M, block_n)  # one launch on CUDA
+            pad_lo[: plan.total_q], pad_hi[: plan.total_q] = alo, ahi
+        else:
+            pad_lo[rows], pad_hi[rows] = alo, ahi
+            t = build_tile_tables(pad_lo[:num_rows], pad_hi[:num_rows], plan.total_k, BLOCK_M, block_n)
         return t, [pad_lo, pad_hi]
 
     return plan.cached(("fa4_sparse", block_n), build)
@@ -155,6 +207,9 @@ def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
         )  # lse [Hq, total_q]
     else:
         tables, aux = sparse_inputs(plan, q.shape[-1])
+        rows, num_rows = query_rows(plan)
+        if rows is not None:  # each sequence on its own query tiles; padding rows are discarded
+            q = q.new_zeros(num_rows, *q.shape[1:]).index_copy_(0, rows, q)
         out, lse = flash_attn_func(
             q[None],
             k[None],
@@ -166,7 +221,9 @@ def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
             block_sparse_tensors=_block_sparse(tables),
             **common,
         )
-        out, lse = out[0], None if lse is None else lse[0]  # lse [1, Hq, total_q] -> [Hq, total_q]
+        out, lse = out[0], None if lse is None else lse[0]  # lse [1, Hq, rows] -> [Hq, rows]
+        if rows is not None:
+            out, lse = out[rows], None if lse is None else lse[:, rows]
     if not return_lse:
         return out, None  # FA4 may hand back the LSE it keeps for backward anyway
     return out, lse.transpose(0, 1).float().contiguous()
