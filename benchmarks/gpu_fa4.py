@@ -28,7 +28,7 @@ from spanattn.backends import fa4
 from spanattn.backends import triton as tb
 from spanattn.bench.timing import host_ms, kernel_ms, poison
 from spanattn.oracle import Truth
-from spanattn.scenarios import HKV, HQ, scenarios
+from spanattn.scenarios import HKV, HQ, check_step, scenarios
 
 DEV = "cuda"
 
@@ -53,25 +53,15 @@ def check_one(batch, layer, dtype, d, hq, hkv, softcap=None):
 
 
 def grid():
-    mixed = sa.Batch(
-        [
-            sa.Seq(q_len=700, kv_len=1300, spans=[(150, 449), (1000, 1199)]),
-            sa.Seq(q_len=1, kv_len=517),
-            sa.Seq(q_len=129, kv_len=129, spans=[(64, 127)]),
-            sa.Seq(q_len=200, kv_len=333, causal=False),
-            sa.Seq(q_len=1, kv_len=1),
-        ]
-    )
+    """The GPU check step under every layer kind (the sparse path; "causal" has a non-causal
+    canvas, so it is sparse too), plus an all-causal batch for the built-in path."""
+    mixed, layers = check_step()
     causal = sa.Batch([sa.Seq(q_len=700, kv_len=1300), sa.Seq(q_len=1, kv_len=517), sa.Seq(129)])
-    return {
-        ("mixed", "on"): (mixed, sa.LayerMask(spans="on")),
-        ("mixed", "W37_clamp"): (mixed, sa.LayerMask(window=37, spans="clamp")),
-        ("mixed", "W200_on"): (mixed, sa.LayerMask(window=200, spans="on")),
-        ("mixed", "W1"): (mixed, sa.LayerMask(window=1)),
-        ("mixed", "causal_flags"): (mixed, sa.LayerMask(spans="off")),  # non-causal row: sparse
-        ("causal", "causal"): (causal, sa.LayerMask(spans="off")),  # built-in
-        ("causal", "W64"): (causal, sa.LayerMask(window=64)),  # built-in window
-    }
+    rename = {"causal": "causal_flags"}
+    cases = {("mixed", rename.get(name, name)): (mixed, layer) for name, layer in layers.items()}
+    cases[("causal", "causal")] = (causal, sa.LayerMask(spans="off"))  # built-in
+    cases[("causal", "W64")] = (causal, sa.LayerMask(window=64))  # built-in window
+    return cases
 
 
 def part_check(res, log, quick=False):

@@ -30,7 +30,7 @@ from spanattn.backends.triton import configs as tcfg
 from spanattn.backends.triton import kernel as tk
 from spanattn.backends.triton.schedule import build_schedule
 from spanattn.oracle import Truth
-from spanattn.scenarios import HKV, HQ, scenarios
+from spanattn.scenarios import HKV, HQ, check_step, scenarios
 
 DEV = "cuda"
 # (BLOCK_M, BLOCK_N, num_warps, num_stages[, one_loop]) per (head_dim, scenario): S0 tunes the
@@ -78,28 +78,8 @@ def check_one(batch, layer, dtype, d, hq, hkv, softcap=None, config=None):
     return Truth(q, k, v, p, scale=scale, softcap=softcap).check(out, lse).as_dict()
 
 
-def grid_batches():
-    mixed = sa.Batch(
-        [
-            sa.Seq(q_len=700, kv_len=1300, spans=[(150, 449), (1000, 1199)]),
-            sa.Seq(q_len=1, kv_len=517),
-            sa.Seq(q_len=129, kv_len=129, spans=[(64, 127)]),
-            sa.Seq(q_len=200, kv_len=333, causal=False),
-            sa.Seq(q_len=1, kv_len=1),
-        ]
-    )
-    layers = {
-        "causal": sa.LayerMask(spans="off"),
-        "on": sa.LayerMask(spans="on"),
-        "W37_clamp": sa.LayerMask(window=37, spans="clamp"),
-        "W200_on": sa.LayerMask(window=200, spans="on"),
-        "W1": sa.LayerMask(window=1),
-    }
-    return mixed, layers
-
-
 def part_check(res, dims=(64, 96, 128, 256, 512)):
-    mixed, layers = grid_batches()
+    mixed, layers = check_step()
     rows = []
     main = [d for d in dims if d != 96]
     cases = [(torch.bfloat16, d, hq, hkv) for d in main for hq, hkv in ((8, 8), (8, 4), (16, 2))]

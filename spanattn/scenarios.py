@@ -67,3 +67,27 @@ def scenarios(scale: int = 1) -> dict[str, Scenario]:
         Scenario("D1", "paged decode", Batch(d1), LayerMask(spans="off"), (128, 256), page_size=16),
     ]
     return {s.id: s for s in out}
+
+
+def check_step() -> tuple[Batch, dict[str, LayerMask]]:
+    """The mixed step the GPU scripts hold every kernel to, with the layer kinds they check it
+    under: a 700-query chunk with two images (one past a tile edge), a decode row, a span ending
+    on a tile edge, a non-causal canvas and a single token; causal, spans on, clamped and wide
+    windows, and W=1."""
+    batch = Batch(
+        [
+            Seq(q_len=700, kv_len=1300, spans=[(150, 449), (1000, 1199)]),
+            Seq(q_len=1, kv_len=517),
+            Seq(q_len=129, kv_len=129, spans=[(64, 127)]),
+            Seq(q_len=200, kv_len=333, causal=False),
+            Seq(q_len=1, kv_len=1),
+        ]
+    )
+    layers = {
+        "causal": LayerMask(spans="off"),
+        "on": LayerMask(spans="on"),
+        "W37_clamp": LayerMask(window=37, spans="clamp"),
+        "W200_on": LayerMask(window=200, spans="on"),
+        "W1": LayerMask(window=1),
+    }
+    return batch, layers
