@@ -84,8 +84,9 @@ def attention(
         keys first (:func:`spanattn.write_kv_cache`).
 
     backend: ``"auto"`` takes the first that can run this call of fa4 (CUDA, FlashAttention-4
-        installed, head_dim <= 256), triton (CUDA), sdpa, reference; a backend named explicitly
-        runs or raises, never falls back.
+        installed, head_dim <= 256), triton (CUDA), sdpa, reference, skipping one that declines
+        a step another runs better (fa4 leaves decode-shaped and ragged span steps to triton);
+        a backend named explicitly runs or raises, never falls back.
     scale: softmax scale, default ``1 / sqrt(D)``. softcap: Gemma-2-style ``c * tanh(s / c)``.
 
     >>> import torch, spanattn as sa

@@ -17,7 +17,9 @@ BACKENDS = {
 def load(name: str):
     """The module of backend ``name``; it exposes ``unavailable(q, plan, **opts) -> str | None``
     (why it cannot run this call) and ``forward(q, k, v, plan, **opts) -> (out, lse)``; one with
-    per-plan tables also has ``prepare(plan, head_dim)`` to build them ahead of the first call."""
+    per-plan tables also has ``prepare(plan, head_dim)`` to build them ahead of the first call,
+    and one that ``backend="auto"`` should pass over for some steps it can run has
+    ``auto_declines(q, plan, **opts) -> str | None``."""
     if name not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {name!r}")
     return importlib.import_module(BACKENDS[name])
