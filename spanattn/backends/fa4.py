@@ -105,7 +105,7 @@ def _interval_mask_mod():
 
     @cute.jit
     def interval_mask(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
-        # aux rows are padded to whole query tiles, so rows past total_q read (0, -1): masked
+        # rows that hold no query (padding, past the last tile) read the empty interval (0, -1)
         lo = scalar_to_ssa(aux_tensors[0][q_idx[0]], cutlass.Int32)
         hi = scalar_to_ssa(aux_tensors[1][q_idx[0]], cutlass.Int32)
         return (kv_idx >= lo) & (kv_idx <= hi)
