@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..cache import gather_kv
+from .reference import outputs, per_sequence
 
 
 def unavailable(q, plan, *, softcap=None, **opts) -> str | None:
@@ -16,22 +16,11 @@ def unavailable(q, plan, *, softcap=None, **opts) -> str | None:
 
 
 def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False, block_table=None):
-    if block_table is not None:  # paged: copy the pages out into packed K/V
-        k, v = gather_kv(k, v, block_table, plan)
-    hq, hkv = q.shape[1], k.shape[1]
-    out = torch.empty(q.shape[0], hq, v.shape[2], dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[0], hq, dtype=torch.float32, device=q.device) if return_lse else None
-    cu_k = plan.cu_seqlens_k.tolist()
-    for i in range(plan.num_seqs):
-        rows = plan.seq_slice(i)
+    out, lse = outputs(q, v, return_lse)
+    # K/V heads repeated: enable_gqa needs torch >= 2.5 and not every SDPA kernel takes it with a mask
+    for i, rows, ki, vi in per_sequence(q, k, v, plan, block_table):
         mask = plan.to_dense(i).to(q.device)
-        qi = q[rows].transpose(0, 1)[None]  # [1, Hq, q_len, D]
-        ki = k[cu_k[i] : cu_k[i + 1]].transpose(0, 1)[None]
-        vi = v[cu_k[i] : cu_k[i + 1]].transpose(0, 1)[None]
-        if hq != hkv:
-            # enable_gqa needs torch >= 2.5 and not every SDPA kernel takes it with a mask
-            ki = ki.repeat_interleave(hq // hkv, dim=1)
-            vi = vi.repeat_interleave(hq // hkv, dim=1)
+        qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[rows], ki, vi))  # [1, Hq, len, D]
         o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
         out[rows] = o[0].transpose(0, 1)
         if return_lse:
