@@ -191,6 +191,9 @@ def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
     common = {"softmax_scale": scale, "softcap": softcap or 0.0, "return_lse": return_lse}
+    # FA4 was checked here on contiguous packed tensors; strided views (transformers' [B, H, S, D]
+    # seen as [S, H, D]) are copied first rather than trusted to its layout handling.
+    q, k, v = (t.contiguous() for t in (q, k, v))
     if builtin(plan):
         w = plan.layer.window
         out, lse = flash_attn_varlen_func(
