@@ -17,7 +17,6 @@ graph: a CUDA graph captured on one D1 step replays two other steps (new lengths
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -25,12 +24,12 @@ import traceback
 
 import torch
 import torch.nn.functional as F
-import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import spanattn as sa  # noqa: E402
 from spanattn.backends.triton import decode  # noqa: E402
+from spanattn.bench.report import environment  # noqa: E402
 from spanattn.cache import gather_kv  # noqa: E402
 from spanattn.oracle import Truth  # noqa: E402
 from spanattn.scenarios import HKV, HQ, scenarios  # noqa: E402
@@ -242,10 +241,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="time the default config only, no sweep")
     args = ap.parse_args()
     report = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **environment("cuda"),
         "bandwidth_rule": "K+V bytes the step must read (sum kv_len * Hkv * D * 2 B * 2) / time",
     }
     sweep_128 = [(64, 4, 3), (64, 4, 4), (32, 4, 4), (128, 8, 2), (64, 8, 3)], SPLIT_GRID

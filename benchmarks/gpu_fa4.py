@@ -15,7 +15,6 @@ bench: scenarios S0-S4: the fa4 backend against FA4's built-in causal/window mas
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import random
@@ -26,6 +25,7 @@ import torch
 import spanattn as sa
 from spanattn.backends import fa4
 from spanattn.backends import triton as tb
+from spanattn.bench.report import environment
 from spanattn.bench.timing import host_ms, kernel_ms, poison
 from spanattn.oracle import Truth
 from spanattn.scenarios import HKV, HQ, check_step, scenarios
@@ -229,11 +229,8 @@ def main():
     import flash_attn
 
     res = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
+        **environment("cuda"),
         "flash_attn_4": getattr(flash_attn, "__version__", "?"),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     t0 = time.time()
 

@@ -14,7 +14,6 @@ plan: spanattn.plan(batch, layer, device="cuda") per step, host wall time with a
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -22,11 +21,11 @@ import time
 from functools import partial
 
 import torch
-import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import spanattn as sa  # noqa: E402
+from spanattn.bench.report import environment  # noqa: E402
 from spanattn.oracle import Truth  # noqa: E402
 from spanattn.scenarios import HKV, HQ, scenarios  # noqa: E402
 
@@ -78,10 +77,7 @@ def main():
     gen = torch.Generator().manual_seed(0)
     full, small = scenarios(), scenarios(scale=8)
     res = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "date": datetime.date.today().isoformat(),
+        **environment("cuda"),
         "plan_ms": {},
         "rows": [],
     }

@@ -14,14 +14,12 @@ bench: scenarios S0-S5 with our kernel; peers: compiled FlexAttention (plus its 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import random
 import time
 
 import torch
 import torch.nn.functional as F
-import triton
 from triton.testing import do_bench
 
 import spanattn as sa
@@ -29,6 +27,7 @@ from spanattn.backends import triton as tb
 from spanattn.backends.triton import configs as tcfg
 from spanattn.backends.triton import kernel as tk
 from spanattn.backends.triton.schedule import build_schedule
+from spanattn.bench.report import environment
 from spanattn.oracle import Truth
 from spanattn.scenarios import HKV, HQ, check_step, scenarios
 
@@ -299,10 +298,7 @@ def main():
     a = ap.parse_args()
     parts = a.parts.split(",")
     res = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **environment("cuda"),
         "flops_rule": "4 * D * Hq * allowed pairs (FA3/FA4 convention), bf16, Hq=16, Hkv=8",
     }
     t0 = time.time()
