@@ -7,6 +7,7 @@ check: correctness grid (bf16/fp16, D 64/128/256, GQA 1/2/8, windows, span modes
     block-sparse tables), held to DESIGN.md section 4's rule; outputs land in NaN-poisoned memory.
 count: FA4 kernel compilations over random steps (lengths, spans, flags, batch size change).
 mixed: a serving step (prefill chunks with images, 64 decode rows, canvases): fa4 vs triton.
+alternate: fa4 and FA4's built-in timed in alternation over several rounds (--scenarios S1).
 bench: scenarios S0-S4: the fa4 backend against FA4's built-in causal/window mask on the same
     step (the speed of light: it ignores spans), FA4 with the interval mask_mod and no block
     sparsity (the shape vLLM's mm_prefix path runs), and our triton backend.
@@ -18,6 +19,7 @@ import argparse
 import functools
 import json
 import random
+import statistics
 import time
 
 import torch
@@ -192,6 +194,28 @@ def part_bench(res, log, ids):
     res["bench"] = rows
 
 
+def part_alternate(res, log, ids, rounds=9):
+    """fa4 and the built-in timed in alternation, ``rounds`` times per scenario: both see the same
+    clocks and L2 state drift, so the median of the per-round ratios is steadier than one pair."""
+    rows = []
+    for sid, sc in scenarios(1).items():
+        for d in (x for x in sc.head_dims if x <= 256 and sid in ids):
+            p = sa.plan(sc.batch, sc.layer, device=DEV)
+            q, k, v = rand_qkv(p, HQ, HKV, d, torch.bfloat16)
+            scale = d**-0.5
+            fa4.prepare(p, d)
+            ours = functools.partial(fa4.forward, q, k, v, p, scale=scale)
+            builtin = _fa4_builtin(p, q, k, v, scale)
+            ratios = []
+            for _ in range(rounds):
+                a, b = kernel_ms(ours, DEV), kernel_ms(builtin, DEV)
+                ratios.append(b / a)
+            rows.append({"scenario": sid, "d": d, "ratios": ratios, "median": statistics.median(ratios)})
+            log(f"alternate {sid} d{d}: built-in / fa4 time median {rows[-1]['median']:.3f} "
+                f"(min {min(ratios):.3f}, max {max(ratios):.3f}, {rounds} rounds)")  # fmt: skip
+    res["alternate"] = rows
+
+
 def mixed_step():
     """A serving step: two prefill chunks with images, 64 decode rows, four diffusion canvases."""
     rnd = random.Random(3)
@@ -243,6 +267,7 @@ def main():
         "count": part_count,
         "bench": lambda r, lg: part_bench(r, lg, ids),
         "mixed": part_mixed,
+        "alternate": lambda r, lg: part_alternate(r, lg, ids),
     }
     for name in args.parts.split(","):
         parts[name](res, log)

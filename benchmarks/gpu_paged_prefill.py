@@ -4,10 +4,12 @@ one GPU in one call.
     python benchmarks/gpu_paged_prefill.py --out $OUT/paged_prefill.json
 
 paged: S1-S3 (DESIGN.md section 5; bf16, Hq 16 / Hkv 8) with K/V written into a paged cache
-    whose pages are scattered at random (page 16 and 128). The paged output must equal the
-    contiguous one bit for bit (same kernel, same tile order), and a down-scaled copy of each
-    step is checked against fp64 truth under err <= 2 * err(same-dtype reference) + 1e-4 with a
-    NaN-poisoned cache. Then both are timed (median of triton.testing.do_bench).
+    whose pages are scattered at random (page 16 and 128). At page 16 also both ways of reading
+    pages smaller than a key tile (walk them in place / copy them out first) and the copy alone.
+    The paged output must equal the contiguous one bit for bit (same kernel, same tile order),
+    and a down-scaled copy of each step is checked against fp64 truth under err <= 2 *
+    err(same-dtype reference) + 1e-4 with a NaN-poisoned cache. Then both are timed (median of
+    triton.testing.do_bench).
 plan: spanattn.plan(batch, layer, device="cuda") per step, host wall time with a device sync.
 """
 
@@ -25,6 +27,8 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import spanattn as sa  # noqa: E402
+from spanattn.backends import triton as tb  # noqa: E402
+from spanattn.backends.triton.configs import pick  # noqa: E402
 from spanattn.bench.report import environment  # noqa: E402
 from spanattn.oracle import Truth  # noqa: E402
 from spanattn.scenarios import HKV, HQ, scenarios  # noqa: E402
@@ -60,6 +64,26 @@ def qkv(plan, d, dtype=torch.bfloat16, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     mk = lambda n, h: torch.randn(n, h, d, generator=g, device="cuda", dtype=dtype)
     return mk(plan.total_q, HQ), mk(plan.total_k, HKV), mk(plan.total_k, HKV)
+
+
+def both_ways(q, kc, vc, table, p, page, ref, t_contig):
+    """The in-place walk and the copy-out path timed side by side, and the copy alone."""
+    res = {}
+    saved = tb.GATHER_PAIRS_PER_KEY
+    try:
+        for name, threshold in (("walk", float("inf")), ("copy", 0)):
+            tb.GATHER_PAIRS_PER_KEY = threshold
+            fn = partial(sa.attention, q, kc, vc, p, block_table=table, backend="triton")
+            equal = bool(torch.equal(fn(), ref))
+            res[f"{name}_ms"] = t = do_bench(fn, rep=200)
+            res[f"{name}_over_contiguous"] = t / t_contig
+            res[f"{name}_bit_equal"] = equal
+    finally:
+        tb.GATHER_PAIRS_PER_KEY = saved
+    flat = (kc.flatten(0, 1), vc.flatten(0, 1))
+    res["copy_only_ms"] = do_bench(lambda: tb._copy_pages(p, *flat, table, page), rep=200)
+    res["copy_bytes"] = 4 * p.total_k * kc.shape[2] * kc.shape[3] * kc.element_size()
+    return res
 
 
 def check_small(sc_small, d, page, gen):
@@ -110,16 +134,22 @@ def main():
                 "contiguous_ms": t_contig, "paged_ms": t_paged,
                 "paged_over_contiguous": t_paged / t_contig,
                 "paged_tflops": flops / t_paged / 1e9, "contiguous_tflops": flops / t_contig / 1e9,
+                "copies_pages": tb.gathers_pages(p, page, pick(d, q.dtype, False, sc.layer.window).block_n,
+                                                 HQ // HKV, d),
                 "bit_equal": bool(torch.equal(out, ref)),
                 "check_small": check_small(small[sid], d, page, gen),
             }  # fmt: skip
+            if page < 128:  # both ways of reading small pages, whatever the default picks
+                row.update(both_ways(q, kc, vc, table, p, page, ref, t_contig))
             res["rows"].append(row)
             print(
                 f"{sid} d{d} page {page}: contiguous {t_contig:.3f} ms, paged {t_paged:.3f} ms "
-                f"({row['paged_over_contiguous']:.3f}x), bit-equal {row['bit_equal']}, "
-                f"small check {row['check_small']}",
+                f"({row['paged_over_contiguous']:.3f}x, copy={row['copies_pages']}), "
+                f"bit-equal {row['bit_equal']}, small check {row['check_small']['ok']}"
+                + (f", walk {row['walk_over_contiguous']:.3f}x, copy {row['copy_over_contiguous']:.3f}x"
+                   f" (copy alone {row['copy_only_ms']:.3f} ms)" if "walk_ms" in row else ""),
                 flush=True,
-            )
+            )  # fmt: skip
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 

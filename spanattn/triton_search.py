@@ -1,4 +1,5 @@
-"""Binary search shared by the planning kernels (intervals_triton.py, tiles_triton.py)."""
+"""Binary search shared by the planning kernels (intervals_triton.py, tiles_triton.py) and the
+page copy (backends/triton/page_copy.py)."""
 
 import triton
 import triton.language as tl
@@ -6,7 +7,7 @@ import triton.language as tl
 
 @triton.jit
 def seq_of_rows(cu_q_ptr, rows, num_seqs, steps, BLOCK: tl.constexpr):
-    """The sequence of each packed query row: the last ``r`` with ``cu_seqlens_q[r] <= row``.
+    """The sequence of each packed row: the last ``r`` with ``cu_q_ptr[r] <= row`` (cu_seqlens_q or _k).
 
     ``steps = bit_length(num_seqs)`` suffices: once ``left + 1 == right`` a step is a no-op
     (``mid == left``). A ``while`` loop because the interpreter cannot take runtime ints as

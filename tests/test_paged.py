@@ -185,9 +185,38 @@ def test_prefill_copies_small_pages_out_on_long_walks(monkeypatch):
     assert torch.equal(again[0], packed[0])
 
 
+@pytest.mark.parametrize(
+    "page, hkv, d, dtype, max_block_w, head_strided",
+    [
+        (16, 1, 16, torch.float16, None, False),
+        (32, 2, 32, torch.float32, None, False),
+        (64, 3, 16, torch.float16, None, False),  # a row of 48 elements: a masked 64-wide tile
+        (16, 3, 16, torch.float32, 32, False),  # two column tiles, the second half masked
+        (32, 2, 16, torch.float16, None, True),  # heads 2*D apart: rows not contiguous
+    ],
+    ids=["p16-h1-d16", "p32-h2-d32-fp32", "p64-h3-d16", "p16-h3-d16-col-tiles", "p32-head-strided"],
+)
+def test_page_copy_kernel_equals_gather(monkeypatch, page, hkv, d, dtype, max_block_w, head_strided):
+    """The one-launch page copy against gather_kv, bit for bit: shuffled pages, last pages partly
+    filled, NaN in every slot no sequence owns and in the outputs before the copy."""
+    from spanattn.backends.triton import page_copy
+
+    if max_block_w:
+        monkeypatch.setattr(page_copy, "MAX_BLOCK_W", max_block_w)
+    p, _, k, v, kc, vc, bt = paged_step(PREFILL, sa.LayerMask(), 1, hkv, d, page, dtype)
+    if head_strided:  # each head's D elements, then D of padding
+        kc, vc = (torch.cat([t, torch.full_like(t, float("nan"))], -1)[..., :d] for t in (kc, vc))
+    out_k, out_v = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+    page_copy.copy_pages(p, kc.flatten(0, 1), vc.flatten(0, 1), bt, page, out_k, out_v)
+    kg, vg = gather_kv(kc, vc, bt, p)
+    assert torch.equal(out_k, kg) and torch.equal(out_v, vg)
+    assert torch.equal(out_k, k) and torch.equal(out_v, v)
+
+
 def test_which_steps_copy_pages_out():
     """At page 16, 128-key tiles and GQA 2: the global layer (S2, ~16k pairs per key) copies,
-    the sliding and chunked layers (S1, S3: 0.4-1k) walk the pages; page 128 never copies."""
+    the chunked layer (S3, ~0.4k) walks the pages, the sliding one (S1, 1k per key) copies at d128
+    and walks at d256 (twice the bytes per key); page 128 never copies."""
     from spanattn.backends import triton as tb
     from spanattn.scenarios import scenarios
 
@@ -195,7 +224,7 @@ def test_which_steps_copy_pages_out():
     plans = {i: sa.plan(sc[i].batch, sc[i].layer) for i in ("S0", "S1", "S2", "S3")}
     for d in (128, 256):
         got = {i: tb.gathers_pages(p, 16, 128, 2, d) for i, p in plans.items()}
-        assert got == {"S0": True, "S1": False, "S2": True, "S3": False}
+        assert got == {"S0": True, "S1": d == 128, "S2": True, "S3": False}
     assert not tb.gathers_pages(plans["S2"], 128, 128, 2)
 
 

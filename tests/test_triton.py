@@ -184,13 +184,15 @@ def test_random_layouts(batch, layer):
 
 
 @pytest.mark.parametrize(
-    "one_loop, dv_split, d",
-    [(False, 1, 32), (True, 1, 32), (False, 2, 32), (True, 2, 48)],
-    ids=["three-loops", "one-loop", "dv-split", "one-loop-dv-split-padded"],
-)
-def test_loop_variants_and_tile_shapes(one_loop, dv_split, d):
-    """Both KV-walk variants and split output columns, with key tiles wider than query tiles."""
+    "one_loop, dv_split, d, tma",
+    [(False, 1, 32, False), (True, 1, 32, False), (False, 2, 32, False), (True, 2, 48, False),
+     (False, 1, 32, True), (True, 2, 48, True)],
+    ids=["three-loops", "one-loop", "dv-split", "one-loop-dv-split-padded", "tma", "tma-dv-split-padded"],
+)  # fmt: skip
+def test_loop_variants_and_tile_shapes(one_loop, dv_split, d, tma):
+    """Both KV-walk variants, split output columns and TMA loads (rows past a sequence end read
+    as zero, not the next sequence's keys), with key tiles wider than query tiles."""
     from spanattn.backends.triton.configs import Config
 
-    cfg = Config(16, 32, 4, 1, one_loop=one_loop, dv_split=dv_split)
+    cfg = Config(16, 32, 4, 1, one_loop=one_loop, dv_split=dv_split, tma=tma)
     run(MIXED, sa.LayerMask(window=13, spans="on"), d=d, config=cfg)

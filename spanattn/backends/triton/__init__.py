@@ -15,13 +15,14 @@ LOG2E = 1.4426950408889634
 AUTO_NEEDS_CUDA = True  # backend="auto" never picks the interpreter; naming "triton" still can
 
 # Paged prefill over pages smaller than a key tile pays a page lookup and address math per key
-# row on every key tile of every query head it walks: 8-13% of the attention on S2 at page 16
-# (H200). Copying the step's keys out of the pages instead costs one read and write of K/V, per
-# KV head and head_dim element. So the copy wins when each key is seen by many (query, key)
-# pairs x query heads per KV head, relative to head_dim. Measured at page 16 (GQA 2): S2 (32k
-# global, ~16k pairs per key) copy +0.3-0.6% vs walk +8-13%; S1 (W 1024, 1k) copy +11% vs walk
-# +10% at d128, +9% vs +7% at d256: the walk stays there.
-GATHER_PAIRS_PER_KEY = 4096  # at head_dim 128; scaled by head_dim / 128
+# row on every key tile of every query head it walks: 7-17% of the attention at page 16 (H200).
+# Copying the step's keys out of the pages instead (page_copy.py, ~3.7 TB/s) costs one read and
+# write of K/V, per KV head and head_dim element. So the copy wins when each key is seen by many
+# (query, key) pairs x query heads per KV head, relative to head_dim. Measured at page 16, GQA 2,
+# value of the rule below in brackets (results/2026-11-29-paged-prefill-h200-v7.json): S2 [32-64k]
+# copy +0.2-1% vs walk +9-17%; S1 d128 [2048] copy +6.3% vs walk +11%; S1 d256 [1024] copy +7.1%
+# vs walk +6.5%; S3 d256 [413] copy +21% vs walk +7.6%.
+GATHER_PAIRS_PER_KEY = 1536  # at head_dim 128; scaled by head_dim / 128
 
 
 def gathers_pages(plan, page_size: int, block_n: int, group: int = 1, head_dim: int = 128) -> bool:
@@ -38,16 +39,34 @@ def gathers_pages(plan, page_size: int, block_n: int, group: int = 1, head_dim: 
 def _copy_pages(plan, k, v, block_table, page_size: int):
     """The step's keys and values out of flat pages into packed buffers kept on the plan: every
     layer of the step reuses them (no allocation per call; the content is overwritten)."""
-    from ...cache import key_slots
+    from .page_copy import copy_pages
 
-    slots = key_slots(plan, block_table, page_size)
     shape = (plan.total_k, *k.shape[1:])
     bk, bv = plan.cached(
         ("paged_copy", k.dtype, k.device, shape), lambda: (k.new_empty(shape), v.new_empty(shape))
     )
-    torch.index_select(k, 0, slots, out=bk)
-    torch.index_select(v, 0, slots, out=bv)
+    copy_pages(plan, k, v, block_table, page_size, bk, bv)
     return bk, bv
+
+
+def _tma_ok(k, v) -> bool:
+    """TMA needs sm_90+ (or the interpreter, for tests) and 16-byte aligned bases and row strides
+    (each sequence's and head's start too); other inputs take the pointer loads."""
+    if k.is_cuda and torch.cuda.get_device_capability(k.device)[0] < 9:
+        return False
+    return all(
+        t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+        for t in (k, v)
+    )
+
+
+def _ensure_tma_allocator():
+    """Descriptors made inside a kernel live in global scratch that triton asks the host for."""
+    import triton
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):  # never replace the user's
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
 def _kernel_module():
@@ -131,6 +150,9 @@ def forward(
         if gathers_pages(plan, page_size, cfg.block_n, hq // hkv, d):
             k, v = _copy_pages(plan, k, v, block_table, page_size)
             paged = False
+    tma = cfg.tma and not paged and _tma_ok(k, v)
+    if tma and k.is_cuda:
+        _ensure_tma_allocator()
     if softcap:
         qk_scale, softcap_log2 = scale / softcap, softcap * LOG2E
     else:
@@ -147,7 +169,7 @@ def forward(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         SOFTCAP=bool(softcap), RETURN_LSE=return_lse, PAGED=paged, PAGE_SIZE=page_size or 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHILE_LOOPS=kmod.INTERPRETED,
-        ONE_LOOP=cfg.one_loop, DV_SPLIT=cfg.dv_split,
+        ONE_LOOP=cfg.one_loop, DV_SPLIT=cfg.dv_split, TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, lse

@@ -18,29 +18,34 @@ class Config:
     num_stages: int
     one_loop: bool = False  # one KV loop masking tiles at run time, not PARTIAL/FULL/PARTIAL loops
     dv_split: int = 1  # programs sharing a query tile, each computing 1/dv_split of the output columns
+    tma: bool = False  # packed K/V tiles through per-sequence TMA descriptors (sm_90+)
 
 
 # Hopper (H200) choices from benchmarks/gpu_triton.py's sweep (benchmarks/results/
 # 2026-11-29-triton-h200.json): the Q tile and num_stages K+V tiles must fit 227 KB of shared
 # memory, the fp32 accumulator BLOCK_M x HEAD_DIM the registers of num_warps warps. d256 and d512
 # run faster with one KV loop (+10%): three separately pipelined loops cost more than the
-# run-time mask branch there; d128 keeps the three loops on long ranges (+2%). d512 splits the
+# run-time mask branch there (and at d128 on 4 warps: S2 -10% with three loops). d512 splits the
 # output columns over two programs (128 x 256 accumulators): 1.5x the FLOPs, +27% speed
-# (results/2026-11-29-triton-h200-d512.json).
+# (results/2026-11-29-triton-h200-d512.json). K/V tiles through TMA (sm_90+; pointer loads
+# elsewhere): S0 d128 +3.5%, S5 d512 +5.5%, S1 d128 +1.5%, d256 +-1% (2026-11-29-triton-tma-h200.json).
+# d128 then runs 4 warps on 128 x 64 tiles, two stages: 96 KB of shared memory, so two programs
+# share an SM and one's softmax overlaps the other's MMAs (what FA3 schedules by hand): S0 and S2
+# +4% over 8 warps on 128 x 128 x 3 stages (224 KB, one program per SM), S4 equal.
 GPU_CONFIGS = {
-    16: Config(128, 64, 4, 3),
-    32: Config(128, 64, 4, 3),
-    64: Config(128, 64, 4, 3),
-    128: Config(128, 128, 8, 3),
-    256: Config(128, 64, 8, 2, one_loop=True),
-    512: Config(128, 32, 8, 2, one_loop=True, dv_split=2),
+    16: Config(128, 64, 4, 3, tma=True),
+    32: Config(128, 64, 4, 3, tma=True),
+    64: Config(128, 64, 4, 3, tma=True),
+    128: Config(128, 64, 4, 2, one_loop=True, tma=True),
+    256: Config(128, 64, 8, 2, one_loop=True, tma=True),
+    512: Config(128, 32, 8, 2, one_loop=True, dv_split=2, tma=True),
 }
 
 # Sliding-window layers (window <= WINDOW_MAX): every query tile walks only a few key tiles, so
 # pipeline fills weigh more and one loop wins at every head_dim (S1: +4% d128, +10% d256).
 WINDOW_MAX = 4096
 WINDOW_CONFIGS = {
-    128: Config(128, 128, 8, 3, one_loop=True),
+    128: Config(128, 128, 8, 3, one_loop=True, tma=True),
     256: Config(128, 64, 8, 2, one_loop=True),
 }
 
@@ -84,4 +89,4 @@ def _fit_fp32(cfg: Config, d: int, budget: int = 160 * 1024) -> Config:
         stages -= 1
     while smem() > budget and bm > 16:
         bm //= 2
-    return Config(bm, bn, cfg.num_warps, stages, cfg.one_loop, cfg.dv_split)
+    return Config(bm, bn, cfg.num_warps, stages, cfg.one_loop, cfg.dv_split, cfg.tma)

@@ -90,17 +90,23 @@ def _attend(
     qk_scale,
     softcap_log2,
     partial,
+    desc_k,
+    desc_v,
+    n,
     MASKED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One KV tile of the online softmax; scores live in the log2 domain (exp2 is one MUFU op).
     MASKED: 0 = a FULL tile, 1 = a PARTIAL tile, 2 = decided at run time by ``partial``."""
     k_ptrs = K + rows[:, None] * stride_kt + offs_d[None, :]
     v_ptrs = V + rows[:, None] * stride_vt + offs_dv[None, :]
-    if HEAD_DIM != D:  # head_dim padded up to a power of two: the pad columns read as zero
+    if TMA:
+        k = desc_k.load([n, 0])
+    elif HEAD_DIM != D:  # head_dim padded up to a power of two: the pad columns read as zero
         k = tl.load(k_ptrs, mask=offs_d[None, :] < D, other=0.0)
     else:
         k = tl.load(k_ptrs)
@@ -132,7 +138,9 @@ def _attend(
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    if HEAD_DIM != D:
+    if TMA:
+        v = desc_v.load([n, 0])
+    elif HEAD_DIM != D:
         v = tl.load(v_ptrs, mask=offs_dv[None, :] < D, other=0.0)
     else:
         v = tl.load(v_ptrs)
@@ -143,10 +151,10 @@ def _attend(
 @triton.jit
 def _walk(
     acc, m_i, l_i, q, K, V, start, end, kv_end, full_start, full_end, k_row0, BT, lo, hi,
-    stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
+    stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WHILE_LOOPS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WHILE_LOOPS: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """KV tiles ``[start, end)`` in steps of BLOCK_N. A ``for`` loop is what triton software-
     pipelines; the interpreter cannot take loaded scalars as ``range`` bounds under numpy >= 2.4
@@ -171,8 +179,8 @@ def _walk(
                 next_page = _tile_pages(BT, n + BLOCK_N, kv_end, offs_n, PAGE_SIZE, BLOCK_N)
             acc, m_i, l_i = _kv_tile(
                 acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, lo, hi,
-                stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
-                MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
+                stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
+                MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, TMA,
             )  # fmt: skip
             if PAGED:
                 page = next_page
@@ -183,8 +191,8 @@ def _walk(
                 next_page = _tile_pages(BT, n + BLOCK_N, kv_end, offs_n, PAGE_SIZE, BLOCK_N)
             acc, m_i, l_i = _kv_tile(
                 acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, lo, hi,
-                stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
-                MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
+                stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
+                MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, TMA,
             )  # fmt: skip
             if PAGED:
                 page = next_page
@@ -194,16 +202,18 @@ def _walk(
 @triton.jit
 def _kv_tile(
     acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, lo, hi,
-    stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
+    stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
     kv_idx = n + offs_n
     partial = (n < full_start) | (n + BLOCK_N > full_end)
     rows = _kv_rows(page, n, kv_end, k_row0, offs_n, MASKED, PAGED, PAGE_SIZE, BLOCK_N)
     return _attend(
         acc, m_i, l_i, q, K, V, rows, kv_idx, lo, hi, stride_kt, stride_vt, offs_d, offs_dv,
-        qk_scale, softcap_log2, partial, MASKED, SOFTCAP, HEAD_DIM, D, DOT_PRECISION,
+        qk_scale, softcap_log2, partial, desc_k, desc_v, n, MASKED, SOFTCAP, HEAD_DIM, D,
+        DOT_PRECISION, TMA,
     )  # fmt: skip
 
 
@@ -246,6 +256,7 @@ def attn_fwd(
     WHILE_LOOPS: tl.constexpr,
     ONE_LOOP: tl.constexpr,
     DV_SPLIT: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # Heads vary fastest so that all heads of one (heavy, LPT-ordered) tile run together and
     # share its K/V tiles through L2.
@@ -295,6 +306,22 @@ def attn_fwd(
 
     K += kv_head * stride_kh
     V += kv_head * stride_vh
+    if TMA:
+        # Per-sequence descriptors: key rows past the sequence end read as zero (never another
+        # sequence's keys), so PARTIAL tiles need no address clamp.
+        kv_len = tl.load(CU_SEQLENS_K + seq + 1) - k_row0
+        desc_k = tl.make_tensor_descriptor(
+            K + k_row0 * stride_kt, shape=[kv_len, D], strides=[stride_kt, 1],
+            block_shape=[BLOCK_N, HEAD_DIM],
+        )  # fmt: skip
+        dv0 = dv_part * (HEAD_DIM // DV_SPLIT)
+        desc_v = tl.make_tensor_descriptor(
+            V + k_row0 * stride_vt + dv0, shape=[kv_len, D - dv0], strides=[stride_vt, 1],
+            block_shape=[BLOCK_N, HEAD_DIM // DV_SPLIT],
+        )  # fmt: skip
+    else:
+        desc_k = K
+        desc_v = V
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM // DV_SPLIT], dtype=tl.float32)
@@ -304,27 +331,27 @@ def attn_fwd(
         # a tile's key range is only a few tiles long (sliding windows).
         acc, m_i, l_i = _walk(
             acc, m_i, l_i, q, K, V, kv_start, kv_end, kv_end, full_start, full_end, k_row0, BT,
-            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
-            2, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
+            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
+            2, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, TMA,
         )  # fmt: skip
     else:
         # PARTIAL tiles before the FULL range (sliding windows, non-causal rows, span starts).
         acc, m_i, l_i = _walk(
             acc, m_i, l_i, q, K, V, kv_start, full_start, kv_end, full_start, full_end, k_row0, BT,
-            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
-            1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
+            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
+            1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, TMA,
         )  # fmt: skip
         # FULL tiles: every (row, key) pair allowed and in bounds.
         acc, m_i, l_i = _walk(
             acc, m_i, l_i, q, K, V, full_start, full_end, kv_end, full_start, full_end, k_row0, BT,
-            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
-            0, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
+            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
+            0, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, TMA,
         )  # fmt: skip
         # PARTIAL tiles after it (the causal diagonal, span ends, chunk ends).
         acc, m_i, l_i = _walk(
             acc, m_i, l_i, q, K, V, full_end, kv_end, kv_end, full_start, full_end, k_row0, BT,
-            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
-            1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
+            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
+            1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, TMA,
         )  # fmt: skip
 
     # Every row allows k = q, so l_i > 0 for stored rows.
