@@ -29,17 +29,20 @@ def step_tensors(batch: Batch, device) -> dict[str, torch.Tensor]:
     only spans that start inside the chunk: later ones hold no query of this step).
     """
     seqs = batch.seqs
-    n = len(seqs)
     cu_q, cu_k = [0], [0]
     for s in seqs:
         cu_q.append(cu_q[-1] + s.q_len)
         cu_k.append(cu_k[-1] + s.kv_len)
     spans = [x for i, s in enumerate(seqs) for a, b in s.spans if a < s.kv_len for x in (i, a, b)]
-    flat = [s.q_len for s in seqs] + [s.kv_len for s in seqs] + [int(s.causal) for s in seqs]
-    buf = torch.tensor(flat + cu_q + cu_k + spans, dtype=torch.int32).to(device, non_blocking=True)
-    parts = buf.split([n, n, n, n + 1, n + 1, len(spans)])
+    per_seq = ([s.q_len for s in seqs], [s.kv_len for s in seqs], [int(s.causal) for s in seqs])
+    parts = (*per_seq, cu_q, cu_k, spans)
+    # Every part starts on 16 bytes: kernels specialize on pointer alignment, so offsets that
+    # moved with the number of sequences would compile a kernel twice.
+    padded = [x + [0] * (-len(x) % 4) for x in parts]
+    buf = torch.tensor([v for x in padded for v in x], dtype=torch.int32).to(device, non_blocking=True)
+    views = [t[: len(x)] for t, x in zip(buf.split([len(x) for x in padded]), parts)]
     keys = ("q_len", "kv_len", "causal", "cu_seqlens_q", "cu_seqlens_k")
-    return dict(zip(keys, parts[:5]), spans=parts[5].view(-1, 3))
+    return dict(zip(keys, views[:5]), spans=views[5].view(-1, 3))
 
 
 def seq_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

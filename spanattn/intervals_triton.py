@@ -11,9 +11,9 @@ tiny kernels, launch-bound at 0.3-0.8 ms per step. One program per ``BLOCK`` pac
 - then the formulas of intervals.py, line for line.
 
 Nothing that changes between steps is a compile-time constant: lengths, counts and the window
-are runtime scalars, exempt from Triton's value specialization (``== 1``, ``% 16``) and, for
-the inputs sliced out of step_tensors' one buffer, from pointer-alignment specialization (their
-offsets move with the counts). Only the layer's policy and ``BLOCK`` pick a compiled kernel.
+are runtime scalars, exempt from Triton's value specialization (``== 1``, ``% 16``), and the
+inputs sliced out of step_tensors' one buffer all start on 16 bytes (pointer alignment is
+specialized too). Only the layer's policy and ``BLOCK`` pick a compiled kernel.
 """
 
 from __future__ import annotations
@@ -26,11 +26,8 @@ from .spec import Batch, LayerMask
 from .triton_search import seq_of_rows
 
 SPAN_MODE = {"off": 0, "on": 1, "clamp": 2}
-# every argument whose value or offset changes from step to step
-RUNTIME_ARGS = [
-    "kv_len_ptr", "causal_ptr", "cu_q_ptr", "spans_ptr",
-    "total_q", "num_seqs", "num_spans", "seq_steps", "span_steps", "window",
-]  # fmt: skip
+# every scalar whose value changes from step to step
+RUNTIME_ARGS = ["total_q", "num_seqs", "num_spans", "seq_steps", "span_steps", "window"]
 
 
 @triton.jit(do_not_specialize=RUNTIME_ARGS)

@@ -125,6 +125,19 @@ def test_plan_packing():
     assert "non-causal" in p.describe() and "num_seqs=3" in repr(p)
 
 
+def test_step_tensors_start_on_16_bytes_whatever_the_batch_size():
+    """Kernels specialize on pointer alignment: offsets moving with the number of sequences
+    would compile each kernel twice (seen on the H200: 4 compilations over 100 steps, not 2)."""
+    from spanattn.intervals import step_tensors
+
+    for n in range(1, 7):
+        b = sa.Batch([sa.Seq(q_len=1 + i, kv_len=9 + i, spans=[(0, 1)] * (i % 2)) for i in range(n)])
+        parts = step_tensors(b, torch.device("cpu"))
+        assert all(t.data_ptr() % 16 == 0 for t in parts.values())
+        assert parts["cu_seqlens_k"].tolist() == [sum(9 + j for j in range(i)) for i in range(n + 1)]
+        assert parts["spans"].tolist() == [[i, 0, 1] for i in range(n) if i % 2]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     data=st.data(),

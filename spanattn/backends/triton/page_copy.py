@@ -17,9 +17,9 @@ import triton.language as tl
 
 from ...triton_search import seq_of_rows
 
-# every argument whose value or offset changes from step to step (cu_seqlens_k is sliced out of
-# step_tensors' one buffer at an offset that moves with the number of sequences)
-RUNTIME_ARGS = ["cu_k_ptr", "block_table_ptr", "total_k", "num_seqs", "search_steps", "stride_bt"]
+# every argument whose value changes from step to step, and the caller's block table (a view at
+# any offset; the plan's own tensors always start on 16 bytes)
+RUNTIME_ARGS = ["block_table_ptr", "total_k", "num_seqs", "search_steps", "stride_bt"]
 # 32 KB of K and 32 KB of V per program (16 rows x 1024 elements at bf16): ~2k programs on a 32k
 # step, and at 8 warps 128 B of each per thread, 8 x 16 B loads in flight to cover HBM latency.
 TILE_BYTES = 32 * 1024
