@@ -183,6 +183,19 @@ def test_random_layouts(batch, layer):
     run(batch, layer, hq=2, hkv=1, d=16)
 
 
+def test_configs_without_tma_keep_pointer_friendly_tiles():
+    """Paged walks cannot use TMA; d128's 4-warp tiles are slow on pointer loads, so they walk on
+    8 warps x 128 x 128; other head_dims only drop the TMA flag."""
+    from spanattn.backends.triton.configs import Config, pick
+
+    bf16 = torch.bfloat16
+    assert pick(128, bf16, False).tma and pick(128, bf16, False).num_warps == 4
+    assert pick(128, bf16, False, tma=False) == Config(128, 128, 8, 3)
+    assert pick(128, bf16, False, 1024, tma=False) == Config(128, 128, 8, 3, one_loop=True)
+    assert pick(256, bf16, False, tma=False) == Config(128, 64, 8, 2, one_loop=True)
+    assert pick(64, bf16, True, tma=True).tma is False  # the interpreter's tiles
+
+
 @pytest.mark.parametrize(
     "one_loop, dv_split, d, tma",
     [(False, 1, 32, False), (True, 1, 32, False), (False, 2, 32, False), (True, 2, 48, False),

@@ -23,17 +23,23 @@ AUTO_NEEDS_CUDA = True  # backend="auto" never picks the interpreter; naming "tr
 # copy +0.2-1% vs walk +9-17%; S1 d128 [2048] copy +6.3% vs walk +11%; S1 d256 [1024] copy +7.1%
 # vs walk +6.5%; S3 d256 [413] copy +21% vs walk +7.6%.
 GATHER_PAIRS_PER_KEY = 1536  # at head_dim 128; scaled by head_dim / 128
+# Pages of at least a key tile walk nearly free (0.97-1.04x), but only on pointer loads, while
+# contiguous K/V go through TMA on faster tiles (d128, results/...-paged-prefill-h200-v9/v10:
+# S2 over 128-token pages 1.115x walking, 1.003x copying; S1 1.034x walking, where a copy would
+# cost ~7%): copy those only on much longer walks.
+GATHER_WHOLE_PAGES_FACTOR = 4
 
 
 def gathers_pages(plan, page_size: int, block_n: int, group: int = 1, head_dim: int = 128) -> bool:
     """Copy the pages of a prefill step into packed K/V before attending? ``group`` = query heads
     per KV head. Decided from the host-side batch (pairs bounded by ``q_len x min(kv_len, W)``:
     spans and the causal triangle ignored), so it never synchronizes with the GPU."""
-    if page_size >= block_n:  # a tile lies in one page: the direct walk costs ~nothing
-        return False
+    threshold = GATHER_PAIRS_PER_KEY
+    if page_size >= block_n:  # a tile lies in one page: the walk costs little, its tiles do
+        threshold *= GATHER_WHOLE_PAGES_FACTOR
     w = plan.layer.window
     pairs = sum(s.q_len * (s.kv_len if w is None else min(s.kv_len, w)) for s in plan.batch.seqs)
-    return pairs * group * 128 >= GATHER_PAIRS_PER_KEY * plan.total_k * head_dim
+    return pairs * group * 128 >= threshold * plan.total_k * head_dim
 
 
 def _copy_pages(plan, k, v, block_table, page_size: int):
@@ -136,23 +142,26 @@ def forward(
         raise ValueError(f"kernel must be 'auto' or 'prefill', got {kernel!r}")
     kmod = _kernel_module()
     head_dim = padded_head_dim(d)
-    cfg = config or pick(d, q.dtype, kmod.INTERPRETED, plan.layer.window)
+    choose = lambda tma: config or pick(d, q.dtype, kmod.INTERPRETED, plan.layer.window, tma)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    if out is None:
-        out = torch.empty(total_q, hq, d, dtype=q.dtype, device=q.device)
-    lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device) if return_lse else None
-    sched = tile_schedule(plan, cfg.block_m, lpt)
     paged = block_table is not None
     if paged:
         if not page_size:
             raise ValueError("paged K/V needs page_size")
         block_table = block_table.to(torch.int32)
-        if gathers_pages(plan, page_size, cfg.block_n, hq // hkv, d):
+        # decided on the tiles that would walk the pages (pointer loads, no TMA)
+        if gathers_pages(plan, page_size, choose(False).block_n, hq // hkv, d):
             k, v = _copy_pages(plan, k, v, block_table, page_size)
             paged = False
-    tma = cfg.tma and not paged and _tma_ok(k, v)
+    tma = not paged and _tma_ok(k, v)
+    cfg = choose(tma)
+    tma = tma and cfg.tma
     if tma and k.is_cuda:
         _ensure_tma_allocator()
+    if out is None:
+        out = torch.empty(total_q, hq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device) if return_lse else None
+    sched = tile_schedule(plan, cfg.block_m, lpt)
     if softcap:
         qk_scale, softcap_log2 = scale / softcap, softcap * LOG2E
     else:

@@ -3,7 +3,7 @@ compile-time constants, so the kernel compiles once per layer kind, not per step
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -49,6 +49,12 @@ WINDOW_CONFIGS = {
     256: Config(128, 64, 8, 2, one_loop=True),
 }
 
+# Without TMA (paged walks, pre-Hopper GPUs, misaligned strides) the 4-warp d128 program must also
+# hold its tiles' addresses (a likely reason, not checked in the compiled code): S2 d128 over
+# 128-token pages ran 1.51x the contiguous time (results/2026-11-29-paged-prefill-h200-v8.json),
+# 1.115x on these 8-warp 128 x 128 tiles (v9).
+POINTER_CONFIGS = {128: Config(128, 128, 8, 3)}
+
 # Small tiles for TRITON_INTERPRET=1 (CPU tests): cheap per step and many tile edges to cross.
 INTERPRETER_CONFIG = Config(16, 16, 4, 1)
 
@@ -63,15 +69,20 @@ def padded_head_dim(d: int) -> int | None:
     return p
 
 
-def pick(head_dim: int, dtype: torch.dtype, interpreted: bool, window: int | None = None) -> Config:
-    """The config of a layer kind: head_dim, dtype and whether its window is short; never
-    anything that changes from step to step (that would recompile)."""
+def pick(
+    head_dim: int, dtype: torch.dtype, interpreted: bool, window: int | None = None, tma: bool = True
+) -> Config:
+    """The config of a layer kind: head_dim, dtype, whether its window is short and whether K/V
+    can be read through TMA (False: paged walks); never anything that changes from step to step
+    (that would recompile)."""
     if interpreted:
         return INTERPRETER_CONFIG
     d = padded_head_dim(head_dim)
     short = window is not None and window <= WINDOW_MAX
     cfg = WINDOW_CONFIGS.get(d) if short else None
     cfg = cfg or GPU_CONFIGS[d]
+    if not tma and cfg.tma:
+        cfg = (None if short else POINTER_CONFIGS.get(d)) or replace(cfg, tma=False)
     if dtype == torch.float32:
         cfg = _fit_fp32(cfg, d)
     return cfg
