@@ -6,7 +6,8 @@ three loops: PARTIAL tiles before the FULL range, FULL tiles inside ``[max lo, m
 math, no bounds checks), PARTIAL tiles after it. For causal rows the first loop is empty and the
 last holds the diagonal; for sliding windows the first holds the window's trailing edge.
 ``ONE_LOOP`` walks the same range in one pipelined loop and decides per tile at run time whether
-to mask (faster where the three loops' separate pipeline fills cost more: d256, d512, windows).
+to mask (faster where the three loops' separate pipeline fills cost more: d256, d512, windows,
+d128 on 4 warps).
 ``DV_SPLIT`` lets several programs share a tile, each computing a slice of the output columns
 (d512: the fp32 accumulator of a whole row block does not fit the registers).
 
@@ -15,8 +16,10 @@ tensor argument; constexprs depend only on the model (heads, head_dim, dtype) an
 a serving loop compiles each layer kind once.
 
 A paged KV cache is the ``PAGED`` constexpr: keys are addressed by in-sequence position and
-``_kv_rows`` turns positions into physical rows, through ``block_table`` entries that ``_walk``
-loads one tile ahead (one per tile when a tile fits in a page, else one per key row).
+``rows.kv_rows`` turns positions into physical rows, through ``block_table`` entries that ``_walk``
+loads one tile ahead (one per tile when a tile fits in a page, else one per key row). Packed
+K/V on sm_90+ come through TMA instead (``TMA``): one descriptor per sequence and KV head, made
+in the kernel, so rows past the sequence end read as zero and need no address clamp.
 """
 
 from __future__ import annotations
@@ -24,51 +27,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .rows import kv_rows, tile_pages
+
 INTERPRETED = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else False
-
-
-@triton.jit
-def _tile_pages(BT, n, kv_end, offs_n, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The block_table entries (``BT`` = this sequence's row) of the KV tile starting at ``n``.
-    Tiles start at multiples of BLOCK_N (see ``kv_start``), so when BLOCK_N divides PAGE_SIZE a
-    tile lies in one page: one scalar. Smaller pages: one entry per key row. Positions clamp to
-    ``kv_end - 1``, like the rows, so the entry read is always the sequence's own, also when
-    ``_walk`` prefetches past its last tile."""
-    if PAGE_SIZE >= BLOCK_N:
-        page = tl.load(BT + tl.minimum(n, kv_end - 1) // PAGE_SIZE)
-    else:
-        page = tl.load(BT + tl.minimum(n + offs_n, kv_end - 1) // PAGE_SIZE)
-    return page
-
-
-@triton.jit
-def _kv_rows(
-    page, n, kv_end, k_row0, offs_n, MASKED: tl.constexpr, PAGED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """Physical rows (int64) in the K/V tensors of the KV tile starting at ``n``. PARTIAL tiles
-    clamp positions to ``kv_end - 1`` (the address, not the mask): every load stays in bounds
-    without load masks and reads a real, finite key. Rows past kv_end get p = 0, but 0 * NaN
-    (a paged cache's unused slots) would still reach acc."""
-    if PAGED and PAGE_SIZE >= BLOCK_N:
-        # One page: a scalar base plus in-page offsets, so FULL tiles are scalar + arange, as
-        # contiguous as the packed path. The same rows as the general form: the clamped
-        # position stays in [n, n + BLOCK_N), inside n's page.
-        if MASKED != 0:
-            offs = tl.minimum(offs_n, kv_end - 1 - n)
-        else:
-            offs = offs_n
-        rows = (page.to(tl.int64) * PAGE_SIZE + n % PAGE_SIZE) + offs
-    else:
-        if MASKED != 0:
-            pos = tl.minimum(n + offs_n, kv_end - 1)
-        else:
-            pos = n + offs_n
-        if PAGED:
-            rows = page.to(tl.int64) * PAGE_SIZE + (pos % PAGE_SIZE)
-        else:
-            rows = k_row0 + pos.to(tl.int64)
-    return rows
 
 
 @triton.jit
@@ -169,14 +130,14 @@ def _walk(
     consumer, one iteration early, and K/V keep the contiguous path's prefetch depth (sm_90
     TTGIR at d128: 3 K/V buffers as packed, where a same-iteration load got 2 plus its own)."""
     if PAGED:
-        page = _tile_pages(BT, start, kv_end, offs_n, PAGE_SIZE, BLOCK_N)
+        page = tile_pages(BT, start, kv_end, offs_n, PAGE_SIZE, BLOCK_N)
     else:
         page = 0
     if WHILE_LOOPS:
         n = start
         while n < end:
             if PAGED:
-                next_page = _tile_pages(BT, n + BLOCK_N, kv_end, offs_n, PAGE_SIZE, BLOCK_N)
+                next_page = tile_pages(BT, n + BLOCK_N, kv_end, offs_n, PAGE_SIZE, BLOCK_N)
             acc, m_i, l_i = _kv_tile(
                 acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, lo, hi,
                 stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
@@ -188,7 +149,7 @@ def _walk(
     else:
         for n in range(start, end, BLOCK_N):
             if PAGED:
-                next_page = _tile_pages(BT, n + BLOCK_N, kv_end, offs_n, PAGE_SIZE, BLOCK_N)
+                next_page = tile_pages(BT, n + BLOCK_N, kv_end, offs_n, PAGE_SIZE, BLOCK_N)
             acc, m_i, l_i = _kv_tile(
                 acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, lo, hi,
                 stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
@@ -209,7 +170,7 @@ def _kv_tile(
 ):  # fmt: skip
     kv_idx = n + offs_n
     partial = (n < full_start) | (n + BLOCK_N > full_end)
-    rows = _kv_rows(page, n, kv_end, k_row0, offs_n, MASKED, PAGED, PAGE_SIZE, BLOCK_N)
+    rows = kv_rows(page, n, kv_end, k_row0, offs_n, MASKED, PAGED, PAGE_SIZE, BLOCK_N)
     return _attend(
         acc, m_i, l_i, q, K, V, rows, kv_idx, lo, hi, stride_kt, stride_vt, offs_d, offs_dv,
         qk_scale, softcap_log2, partial, desc_k, desc_v, n, MASKED, SOFTCAP, HEAD_DIM, D,
@@ -290,7 +251,7 @@ def attn_fwd(
     kv_end = tl.max(hi) + 1
     # Every walked tile starts at a multiple of BLOCK_N: kv_start, full_start and full_end are
     # multiples (full_start = kv_end only leaves the loops after it empty). A paged tile then
-    # lies in one page whenever BLOCK_N divides PAGE_SIZE (_tile_pages relies on this).
+    # lies in one page whenever BLOCK_N divides PAGE_SIZE (rows.tile_pages relies on this).
     kv_start = (tl.min(lo) // BLOCK_N) * BLOCK_N
     full_lo = tl.max(lo)
     full_hi = tl.min(hi)
