@@ -1,0 +1,97 @@
+"""Compile the prefill kernel for sm_90 on any machine (no GPU needed) and print, per tile
+config, what ptxas reports: registers per thread, spills, shared memory, and whether wgmma
+instructions get serialized (ptxas warning C7515). A cheap first filter before spending device
+time on a config: a config that spills or serializes its MMAs rarely wins the timing.
+
+    python benchmarks/compile_stats.py --d 128 --configs 128,64,4,2,1,1,1 128,128,8,3,0,1,1
+    python benchmarks/compile_stats.py --d 128 --paged 128 --configs 128,64,4,2,1,1,0
+
+A config is BLOCK_M,BLOCK_N,num_warps,num_stages,one_loop,dv_split,tma (configs.Config's order).
+Arguments are specialized as in a real launch (16-divisible pointers and strides, bf16, Hq 16 /
+Hkv 8); triton's own ptxas does the assembling. 2026-11-29 on the H200's defaults: d128 4 warps
+255 registers + 116 B spilled, two programs per SM (97 KB shared); d128 8 warps 198-223, no
+spill; d512 split columns 198, no spill, 224 KB; d512 64 x 32 unsplit serializes its wgmma.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from spanattn.backends.triton import kernel as tk
+from spanattn.backends.triton.configs import Config
+
+FP_ARGS = ("Q", "K", "V", "OUT", "LSE")
+SCALAR_FP = ("qk_scale", "softcap_log2")
+
+
+def signature() -> dict[str, str]:
+    """attn_fwd's argument types as a real bf16 launch passes them."""
+    sig = {}
+    for name, param in inspect.signature(tk.attn_fwd.fn).parameters.items():
+        if param.annotation is not inspect.Parameter.empty:
+            sig[name] = "constexpr"
+        elif name in FP_ARGS:
+            sig[name] = "*bf16"
+        elif name in SCALAR_FP:
+            sig[name] = "fp32"
+        elif name.startswith("stride_"):
+            sig[name] = "i32"
+        else:
+            sig[name] = "*i32"
+    return sig
+
+
+def stats(cfg: Config, d: int, paged: int = 0) -> dict:
+    sig = signature()
+    const = {
+        "HQ": 16, "GROUP": 2, "HEAD_DIM": d, "D": d, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+        "SOFTCAP": False, "RETURN_LSE": False, "PAGED": bool(paged), "PAGE_SIZE": paged or 1,
+        "DOT_PRECISION": "tf32", "WHILE_LOOPS": False, "ONE_LOOP": cfg.one_loop,
+        "DV_SPLIT": cfg.dv_split, "TMA": cfg.tma and not paged,
+    }  # fmt: skip
+    runtime = [i for i, t in enumerate(sig.values()) if t != "constexpr" and t != "fp32"]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in runtime}
+    src = ASTSource(fn=tk.attn_fwd, signature=sig, constexprs=const, attrs=attrs)
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    cmd = [ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull]
+    log = subprocess.run(cmd, capture_output=True, text=True)
+    os.unlink(f.name)
+    info = [line.split("info    : ")[-1].strip() for line in log.stderr.splitlines()]
+    return {
+        "shared_bytes": kernel.metadata.shared,
+        "ptxas": [x for x in info if ("registers" in x or "spill" in x) and "C7515" not in x],
+        "wgmma_serialized": "C7515" in log.stderr,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--d", type=int, default=128, help="head_dim")
+    ap.add_argument("--paged", type=int, default=0, help="page size (0: packed K/V)")
+    ap.add_argument(
+        "--configs", nargs="+", required=True, help="BLOCK_M,BLOCK_N,warps,stages,one_loop,dv_split,tma"
+    )
+    a = ap.parse_args()
+    for text in a.configs:
+        v = [int(x) for x in text.split(",")]
+        cfg = Config(*v[:4], *(bool(x) if i != 1 else x for i, x in enumerate(v[4:])))
+        r = stats(cfg, a.d, a.paged)
+        flag = "  WGMMA SERIALIZED" if r["wgmma_serialized"] else ""
+        kb = r["shared_bytes"] / 1024
+        print(f"d{a.d} {text}: {kb:.0f} KB shared | {' | '.join(r['ptxas'])}{flag}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
