@@ -136,46 +136,45 @@ def _walk(
     if WHILE_LOOPS:
         n = start
         while n < end:
-            if PAGED:
-                next_page = tile_pages(BT, n + BLOCK_N, kv_end, offs_n, PAGE_SIZE, BLOCK_N)
-            acc, m_i, l_i = _kv_tile(
-                acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, lo, hi,
+            acc, m_i, l_i, page = _kv_tile(
+                acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, BT, lo, hi,
                 stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
                 MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, TMA,
             )  # fmt: skip
-            if PAGED:
-                page = next_page
             n += BLOCK_N
     else:
         for n in range(start, end, BLOCK_N):
-            if PAGED:
-                next_page = tile_pages(BT, n + BLOCK_N, kv_end, offs_n, PAGE_SIZE, BLOCK_N)
-            acc, m_i, l_i = _kv_tile(
-                acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, lo, hi,
+            acc, m_i, l_i, page = _kv_tile(
+                acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, BT, lo, hi,
                 stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
                 MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, TMA,
             )  # fmt: skip
-            if PAGED:
-                page = next_page
     return acc, m_i, l_i
 
 
 @triton.jit
 def _kv_tile(
-    acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, lo, hi,
+    acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, BT, lo, hi,
     stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr,
 ):  # fmt: skip
+    """The KV tile at ``n`` (its block_table entries ``page``), and the next tile's entries,
+    loaded before this tile's work (see ``_walk``)."""
+    if PAGED:
+        next_page = tile_pages(BT, n + BLOCK_N, kv_end, offs_n, PAGE_SIZE, BLOCK_N)
+    else:
+        next_page = page
     kv_idx = n + offs_n
     partial = (n < full_start) | (n + BLOCK_N > full_end)
     rows = kv_rows(page, n, kv_end, k_row0, offs_n, MASKED, PAGED, PAGE_SIZE, BLOCK_N)
-    return _attend(
+    acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, K, V, rows, kv_idx, lo, hi, stride_kt, stride_vt, offs_d, offs_dv,
         qk_scale, softcap_log2, partial, desc_k, desc_v, n, MASKED, SOFTCAP, HEAD_DIM, D,
         DOT_PRECISION, TMA,
     )  # fmt: skip
+    return acc, m_i, l_i, next_page
 
 
 @triton.jit
