@@ -50,9 +50,9 @@ WINDOW_CONFIGS = {
 }
 
 # Without TMA (paged walks, pre-Hopper GPUs, misaligned strides) the 4-warp d128 program must also
-# hold its tiles' addresses (a likely reason, not checked in the compiled code): S2 d128 over
-# 128-token pages ran 1.51x the contiguous time (results/2026-11-29-paged-prefill-h200-v8.json),
-# 1.115x on these 8-warp 128 x 128 tiles (v9).
+# hold its tiles' addresses: 255 registers and 292 B spilled (116 B with TMA; 8 warps: none, per
+# benchmarks/compile_stats.py). S2 d128 over 128-token pages ran 1.51x the contiguous time on it
+# (results/2026-11-29-paged-prefill-h200-v8.json), 1.115x on these 8-warp 128 x 128 tiles (v9).
 POINTER_CONFIGS = {128: Config(128, 128, 8, 3)}
 
 # Small tiles for TRITON_INTERPRET=1 (CPU tests): cheap per step and many tile edges to cross.
