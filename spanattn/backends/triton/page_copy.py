@@ -1,6 +1,7 @@
 """A paged prefill step's keys and values copied out of the cache into packed K/V, both in ONE
 launch. The torch version (slots from ~6 small ops, then two ``index_select``) took 0.107 ms on
-an H200 for 32k keys x 8 KV heads x d128 bf16, against 0.063 ms to read and write K and V once.
+an H200 for 32k keys x 8 KV heads x d128 bf16, against 0.063 ms to read and write K and V once;
+this kernel 0.073 ms (3.65-3.85 TB/s, within 5% over 16-64 KB per program and 4 or 8 warps).
 
 Each program moves a ``[ROWS, BLOCK_W]`` tile of packed rows: each row's sequence by binary
 search over ``cu_seqlens_k``, its slot from ``block_table``, then the row's ``Hkv * D`` elements
@@ -21,7 +22,8 @@ from ...triton_search import seq_of_rows
 # any offset; the plan's own tensors always start on 16 bytes)
 RUNTIME_ARGS = ["block_table_ptr", "total_k", "num_seqs", "search_steps", "stride_bt"]
 # 32 KB of K and 32 KB of V per program (16 rows x 1024 elements at bf16): ~2k programs on a 32k
-# step, and at 8 warps 128 B of each per thread, 8 x 16 B loads in flight to cover HBM latency.
+# step, and at 8 warps 128 B of each per thread, 8 x 16 B loads in flight to cover HBM latency
+# (16 and 64 KB, 4 warps: the same within 5% on the H200).
 TILE_BYTES = 32 * 1024
 MAX_BLOCK_W = 1024  # wider rows (more heads x head_dim) take several programs along axis 1
 NUM_WARPS = 8
