@@ -28,7 +28,7 @@ from triton.compiler import ASTSource
 from spanattn.backends.triton import kernel as tk
 from spanattn.backends.triton.configs import Config
 
-FP_ARGS = ("Q", "K", "V", "OUT", "LSE")
+FP_ARGS = ("Q", "K", "V", "K_DESC", "V_DESC", "OUT", "LSE")
 SCALAR_FP = ("qk_scale", "softcap_log2")
 
 
@@ -51,13 +51,16 @@ def signature() -> dict[str, str]:
 
 def stats(cfg: Config, d: int, paged: int = 0) -> dict:
     sig = signature()
+    if cfg.tma and not paged:  # host descriptors of K and V
+        sig["K_DESC"] = f"tensordesc<bf16[{cfg.block_n}, {d}]>"
+        sig["V_DESC"] = f"tensordesc<bf16[{cfg.block_n}, {d // cfg.dv_split}]>"
     const = {
         "HQ": 16, "GROUP": 2, "HEAD_DIM": d, "D": d, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
         "SOFTCAP": False, "RETURN_LSE": False, "PAGED": bool(paged), "PAGE_SIZE": paged or 1,
         "DOT_PRECISION": "tf32", "WHILE_LOOPS": False, "ONE_LOOP": cfg.one_loop,
         "DV_SPLIT": cfg.dv_split, "TMA": cfg.tma and not paged,
     }  # fmt: skip
-    runtime = [i for i, t in enumerate(sig.values()) if t != "constexpr" and t != "fp32"]
+    runtime = [i for i, t in enumerate(sig.values()) if t not in ("constexpr", "fp32") and "desc" not in t]
     attrs = {(i,): [["tt.divisibility", 16]] for i in runtime}
     src = ASTSource(fn=tk.attn_fwd, signature=sig, constexprs=const, attrs=attrs)
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}

@@ -6,7 +6,8 @@ benchmark is ``spanattn bench``).
 check: correctness grid (bf16/fp16, D 64..512, GQA 1/2/8, windows, span modes, mixed batches)
     with NaN-poisoned outputs and the rule err(triton) <= 2 * err(same-dtype reference) + 1e-4.
 count: kernel compilations over 100 random steps (lengths, spans, flags, batch size change).
-sweep: candidate tile configs per head_dim on S0 (S5 for d512); the best is used by bench.
+sweep: candidate tile configs per head_dim and config table, each on the scenarios that use the
+    table (S0/S2/S4 global, S1 window, S5 d512); the best is used by bench.
 bench: scenarios S0-S5 with our kernel; peers: compiled FlexAttention (plus its per-step
     create_block_mask) and SDPA. TFLOP/s = 4 * D * Hq * allowed pairs / time (FA3/FA4 rule).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 
@@ -33,25 +35,18 @@ from spanattn.scenarios import HKV, HQ, check_step, scenarios
 
 DEV = "cuda"
 # Config fields in order (BLOCK_M, BLOCK_N, num_warps, num_stages, one_loop, dv_split, tma) per
-# (head_dim, scenario): S0 tunes the long-range default, S1 the sliding-window table, S5 d512.
-# The first of each list is the current choice. Tried and dropped (2026-11-29-triton-tma-h200.json):
-# triton's automatic warp specialization of the KV loop (tl.range(warp_specialize=True)): no gain.
+# (head_dim, table), each judged on the scenarios that use that table (the geometric mean of
+# their times, relative to the first candidate, which is the current choice). Tried and dropped
+# (2026-11-29-triton-tma-h200.json): triton's automatic warp specialization of the KV loop
+# (tl.range(warp_specialize=True)): no gain.
+TABLES = {"global": ("GPU_CONFIGS", ("S0", "S2", "S4")), "window": ("WINDOW_CONFIGS", ("S1",)),
+          "d512": ("GPU_CONFIGS", ("S5",))}  # fmt: skip
 CANDIDATES = {
-    (64, "S0"): [(128, 64, 4, 3, False, 1, True), (128, 64, 4, 3)],
-    (128, "S0"): [
-        (128, 64, 4, 2, True, 1, True),
-        (128, 128, 8, 3, False, 1, True),
-        (128, 64, 4, 2, False, 1, True),
-        (128, 128, 8, 3),
-    ],
-    (128, "S1"): [(128, 128, 8, 3, True, 1, True), (128, 128, 8, 3, True)],
-    (256, "S0"): [(128, 64, 8, 2, True, 1, True), (128, 64, 8, 2, True)],
-    (256, "S1"): [(128, 64, 8, 2, True), (128, 64, 8, 2, True, 1, True)],
-    (512, "S5"): [
-        (128, 32, 8, 2, True, 2, True),
-        (128, 32, 8, 2, True, 2),
-        (128, 16, 8, 3, True, 2, True),
-    ],
+    (128, "global"): [(128, 64, 4, 2, True, 1, True), (128, 128, 8, 3, True, 1, True)],
+    (128, "window"): [(128, 128, 8, 3, True, 1, True), (128, 64, 4, 2, True, 1, True)],
+    (256, "global"): [(128, 64, 8, 2, True, 1, True)],
+    (256, "window"): [(128, 64, 8, 2, True), (128, 64, 8, 2, True, 1, True)],
+    (512, "d512"): [(128, 32, 8, 2, True, 2, True)],
 }
 
 
@@ -148,27 +143,37 @@ def time_ours(sc, d, config=None):
 
 def part_sweep(res, dims=(64, 128, 256, 512)):
     sc = scenarios()
-    best = {}
     res["sweep"] = []
-    for (d, sid), cands in CANDIDATES.items():
+    res["best_configs"] = {}
+    for (d, table), cands in CANDIDATES.items():
         if d not in dims:
             continue
+        attr, sids = TABLES[table]
+        sids = [sid for sid in sids if d in sc[sid].head_dims]
+        scores = {}
         for c in cands:
             cfg = tcfg.Config(*c)
-            try:
-                p, ms = time_ours(sc[sid], d, cfg)
+            times = []
+            for sid in sids:
+                try:
+                    p, ms = time_ours(sc[sid], d, cfg)
+                except Exception as e:  # out of shared memory / registers: skip the config
+                    print(f"sweep d{d} {sid} {c}: {type(e).__name__}: {str(e)[:120]}")
+                    break
                 tf = tflops(p, d, ms)
-            except Exception as e:  # out of shared memory / registers: skip the config
-                print(f"sweep d{d} {sid} {c}: {type(e).__name__}: {str(e)[:120]}")
-                continue
-            print(f"sweep d{d} {sid} {c}: {ms:.3f} ms {tf:.0f} TFLOP/s", flush=True)
-            res["sweep"].append({"d": d, "config": c, "scenario": sid, "ms": ms, "tflops": tf})
-            if (d, sid) not in best or ms < best[d, sid][1]:
-                best[d, sid] = (cfg, ms)
-    for (d, sid), (cfg, _) in best.items():
-        (tcfg.WINDOW_CONFIGS if sid == "S1" else tcfg.GPU_CONFIGS)[d] = cfg
-    res["best_configs"] = {f"d{d} {sid}": list(c.__dict__.values()) for (d, sid), (c, _) in best.items()}
-    print("best", res["best_configs"])
+                print(f"sweep d{d} {sid} {c}: {ms:.3f} ms {tf:.0f} TFLOP/s", flush=True)
+                res["sweep"].append({"d": d, "config": c, "scenario": sid, "ms": ms, "tflops": tf})
+                times.append(ms)
+            else:
+                scores[c] = times
+        if not scores:
+            continue
+        base = next(iter(scores.values()))
+        rel = {c: math.prod(t / b for t, b in zip(ts, base)) ** (1 / len(ts)) for c, ts in scores.items()}
+        best = min(rel, key=rel.get)
+        getattr(tcfg, attr)[d] = tcfg.Config(*best)
+        res["best_configs"][f"d{d} {table}"] = {"config": best, "relative_time": rel[best]}
+        print(f"best d{d} {table}: {best} ({rel[best]:.3f}x the first candidate's time)", flush=True)
 
 
 def plan_ms(sc, block_m):
@@ -243,15 +248,13 @@ def main():
         ("check", lambda r: part_check(r, dims)),
         ("count", part_count),
     )
+    steps += (("bench", lambda r: part_bench(r, "peers" in parts, [x for x in a.scenarios.split(",") if x])),)
     for name, fn in steps:
         if name in parts:
             fn(res)
             print(f"[{name} done at {time.time() - t0:.0f} s]", flush=True)
-    if "bench" in parts:
-        part_bench(res, "peers" in parts, [x for x in a.scenarios.split(",") if x])
-        print(f"[bench done at {time.time() - t0:.0f} s]", flush=True)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+            with open(a.out, "w") as f:  # after every part: a call cut short keeps what it measured
+                json.dump(res, f, indent=1)
     for r in res.get("bench", []):
         line = f"{r['scenario']} d{r['d']}: ours {r['ours_ms']:.3f} ms {r['ours_tflops']:.0f} TF"
         if "flex_ms" in r:

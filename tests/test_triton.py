@@ -196,16 +196,74 @@ def test_configs_without_tma_keep_pointer_friendly_tiles():
     assert pick(64, bf16, True, tma=True).tma is False  # the interpreter's tiles
 
 
+# Every sequence at least one 32-key tile long, none a multiple of it: TMA runs (uses_tma) and
+# reads the tile across each sequence end shifted back.
+LONG_ENOUGH = sa.Batch(
+    [
+        sa.Seq(q_len=40, kv_len=75, spans=[(16, 31), (48, 70)]),
+        sa.Seq(q_len=1, kv_len=33),
+        sa.Seq(q_len=37, kv_len=37, causal=False),
+        sa.Seq(q_len=5, kv_len=64),
+    ]
+)
+
+
 @pytest.mark.parametrize(
-    "one_loop, dv_split, d, tma",
-    [(False, 1, 32, False), (True, 1, 32, False), (False, 2, 32, False), (True, 2, 48, False),
-     (False, 1, 32, True), (True, 2, 48, True)],
-    ids=["three-loops", "one-loop", "dv-split", "one-loop-dv-split-padded", "tma", "tma-dv-split-padded"],
+    "one_loop, dv_split, d, tma, batch",
+    [(False, 1, 32, False, MIXED), (True, 1, 32, False, MIXED), (False, 2, 32, False, MIXED),
+     (True, 2, 48, False, MIXED), (False, 1, 32, True, LONG_ENOUGH), (True, 1, 32, True, LONG_ENOUGH),
+     (True, 2, 32, True, LONG_ENOUGH)],
+    ids=["three-loops", "one-loop", "dv-split", "one-loop-dv-split-padded", "tma", "tma-one-loop",
+         "tma-dv-split"],
 )  # fmt: skip
-def test_loop_variants_and_tile_shapes(one_loop, dv_split, d, tma):
-    """Both KV-walk variants, split output columns and TMA loads (rows past a sequence end read
-    as zero, not the next sequence's keys), with key tiles wider than query tiles."""
+def test_loop_variants_and_tile_shapes(one_loop, dv_split, d, tma, batch):
+    """Both KV-walk variants, split output columns and TMA loads, with key tiles wider than
+    query tiles."""
+    from spanattn.backends.triton import uses_tma
     from spanattn.backends.triton.configs import Config
 
     cfg = Config(16, 32, 4, 1, one_loop=one_loop, dv_split=dv_split, tma=tma)
-    run(MIXED, sa.LayerMask(window=13, spans="on"), d=d, config=cfg)
+    p = sa.plan(batch, sa.LayerMask(window=13, spans="on"), device=DEV)
+    kv = torch.empty(p.total_k, 2, d, dtype=torch.float16, device=DEV)
+    assert uses_tma(p, kv, kv, cfg) == tma
+    run(batch, sa.LayerMask(window=13, spans="on"), hq=4, hkv=2, d=d, config=cfg)
+
+
+def test_tma_only_where_tiles_fit_sequences():
+    """Pointer loads for a sequence shorter than a key tile, a padded head_dim, heads not side
+    by side in a row, or a config without TMA."""
+    from spanattn.backends.triton import uses_tma
+    from spanattn.backends.triton.configs import Config
+
+    cfg = Config(16, 32, 4, 1, tma=True)
+    p = sa.plan(LONG_ENOUGH, sa.LayerMask(), device=DEV)
+    kv = torch.empty(p.total_k, 2, 32, dtype=torch.float16, device=DEV)
+    assert uses_tma(p, kv, kv, cfg)
+    assert not uses_tma(p, kv, kv, Config(16, 32, 4, 1))
+    assert not uses_tma(sa.plan(MIXED, sa.LayerMask(), device=DEV), kv, kv, cfg)  # kv_len 1
+    kv48 = torch.empty(p.total_k, 2, 48, dtype=torch.float16, device=DEV)
+    assert not uses_tma(p, kv48, kv48, cfg)
+    heads_apart = torch.empty(p.total_k, 4, 32, dtype=torch.float16, device=DEV)[:, ::2]
+    assert not uses_tma(p, heads_apart, heads_apart, cfg)
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_sequences_never_read_each_others_keys(tma):
+    """A key tile running past a sequence's end must not read the next sequence's K/V: p = 0
+    there, but 0 * inf is NaN. The second sequence's K/V are inf and NaN; the first's output and
+    LSE must still be exact (TMA: its last tile is read shifted back, its repeated keys masked)."""
+    from spanattn.backends import triton as tb
+    from spanattn.backends.triton.configs import Config
+
+    batch = sa.Batch([sa.Seq(q_len=21, kv_len=45), sa.Seq(q_len=5, kv_len=40)])
+    p = sa.plan(batch, sa.LayerMask(spans="off"), device=DEV)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(n, 2, 32, generator=g) for n in (p.total_q, p.total_k, p.total_k))
+    k[45:], v[45:] = float("inf"), float("nan")
+    q, k, v = (t.half().to(DEV) for t in (q, k, v))
+    cfg = Config(16, 32, 4, 1, one_loop=True, tma=tma)
+    out = torch.full_like(q, float("nan"))
+    out, lse = tb.forward(q, k, v, p, scale=32**-0.5, return_lse=True, out=out, config=cfg)
+    first = sa.plan(sa.Batch(batch.seqs[:1]), sa.LayerMask(spans="off"))
+    qc, kc, vc = (t[:n].cpu() for t, n in ((q, 21), (k, 45), (v, 45)))
+    assert_close_to_truth(out[:21].cpu(), lse[:21].cpu(), qc, kc, vc, first, scale=32**-0.5)

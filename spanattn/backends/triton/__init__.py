@@ -55,24 +55,38 @@ def _copy_pages(plan, k, v, block_table, page_size: int):
     return bk, bv
 
 
-def _tma_ok(k, v) -> bool:
-    """TMA needs sm_90+ (or the interpreter, for tests) and 16-byte aligned bases and row strides
-    (each sequence's and head's start too); other inputs take the pointer loads."""
-    if k.is_cuda and torch.cuda.get_device_capability(k.device)[0] < 9:
+def uses_tma(plan, k, v, cfg: Config) -> bool:
+    """Read packed K/V tiles through TMA? Needs a config that asks for it, sm_90+ (or the
+    interpreter, for tests), 16-byte aligned bases and row strides, each token's heads side by
+    side (``stride(1) == D``: K/V are read as ``[total_k, Hkv * D]`` matrices), head_dim a power of
+    two (a padded tile would read the next head's columns), and every sequence at least one key
+    tile long (a tile never runs past its sequence's end: kernel.attn_fwd)."""
+    if not cfg.tma or (k.is_cuda and torch.cuda.get_device_capability(k.device)[0] < 9):
         return False
-    return all(
-        t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-        for t in (k, v)
+    d = k.shape[-1]
+    return (
+        padded_head_dim(d) == d
+        and min(s.kv_len for s in plan.batch.seqs) >= cfg.block_n
+        and all(
+            t.stride(1) == d
+            and t.data_ptr() % 16 == 0
+            and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+            for t in (k, v)
+        )
     )
 
 
-def _ensure_tma_allocator():
-    """Descriptors made inside a kernel live in global scratch that triton asks the host for."""
-    import triton
-    from triton.runtime import _allocation
+def _descriptors(k, v, cfg: Config, d: int):
+    """Host TMA descriptors of K and V seen as ``[total_k, Hkv * D]`` matrices, read in
+    ``BLOCK_N x D`` tiles (values in ``BLOCK_N x D / dv_split``): made once per launch, where
+    descriptors made in the kernel cost every program a global write and a fence (S1 d128 on one
+    program per SM: 5.6% of its time, results/2026-11-29-triton-h200-s4-sweep.json)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):  # never replace the user's
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    def desc(t, cols):
+        return TensorDescriptor(t, [t.shape[0], t.shape[1] * d], [t.stride(0), 1], [cfg.block_n, cols])
+
+    return desc(k, d), desc(v, d // cfg.dv_split)
 
 
 def _kernel_module():
@@ -153,11 +167,9 @@ def forward(
         if gathers_pages(plan, page_size, choose(False).block_n, hq // hkv, d):
             k, v = _copy_pages(plan, k, v, block_table, page_size)
             paged = False
-    tma = not paged and _tma_ok(k, v)
+    tma = not paged and uses_tma(plan, k, v, choose(True))
     cfg = choose(tma)
-    tma = tma and cfg.tma
-    if tma and k.is_cuda:
-        _ensure_tma_allocator()
+    kd, vd = _descriptors(k, v, cfg, d) if tma else (k, v)
     if out is None:
         out = torch.empty(total_q, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device) if return_lse else None
@@ -168,7 +180,7 @@ def forward(
         qk_scale, softcap_log2 = scale * LOG2E, 1.0
     grid = (sched.num_tiles * hq * cfg.dv_split,)
     kmod.attn_fwd[grid](
-        q, k, v, out, lse if return_lse else out,
+        q, k, v, kd, vd, out, lse if return_lse else out,
         plan.lo, plan.hi, plan.cu_seqlens_q, plan.cu_seqlens_k,
         sched.tile_seq, sched.tile_qstart, block_table if paged else plan.seq_lens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

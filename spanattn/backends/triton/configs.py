@@ -18,7 +18,7 @@ class Config:
     num_stages: int
     one_loop: bool = False  # one KV loop masking tiles at run time, not PARTIAL/FULL/PARTIAL loops
     dv_split: int = 1  # programs sharing a query tile, each computing 1/dv_split of the output columns
-    tma: bool = False  # packed K/V tiles through per-sequence TMA descriptors (sm_90+)
+    tma: bool = False  # packed K/V tiles through TMA descriptors (sm_90+, head_dim a power of two)
 
 
 # Hopper (H200) choices from benchmarks/gpu_triton.py's sweep (benchmarks/results/
@@ -28,7 +28,9 @@ class Config:
 # run-time mask branch there (and at d128 on 4 warps: S2 -10% with three loops). d512 splits the
 # output columns over two programs (128 x 256 accumulators): 1.5x the FLOPs, +27% speed
 # (results/2026-11-29-triton-h200-d512.json). K/V tiles through TMA (sm_90+; pointer loads
-# elsewhere): S0 d128 +3.5%, S5 d512 +5.5%, S1 d128 +1.5%, d256 +-1% (2026-11-29-triton-tma-h200.json).
+# elsewhere): S0 d128 +3.5%, S5 d512 +5.5%, S1 d128 +1.5%, d256 +-1% (2026-11-29-triton-tma-h200.json)
+# with descriptors made in the kernel per program; made once on the host instead, S1 d128 gains
+# another 5.6% and S5 2.2% (results/2026-11-29-triton-h200-s4-sweep.json).
 # d128 then runs 4 warps on 128 x 64 tiles, two stages: 96 KB of shared memory, so two programs
 # share an SM and one's softmax overlaps the other's MMAs (what FA3 schedules by hand): S0 and S2
 # +4% over 8 warps on 128 x 128 x 3 stages (224 KB, one program per SM), S4 equal.
@@ -46,7 +48,7 @@ GPU_CONFIGS = {
 WINDOW_MAX = 4096
 WINDOW_CONFIGS = {
     128: Config(128, 128, 8, 3, one_loop=True, tma=True),
-    256: Config(128, 64, 8, 2, one_loop=True),
+    256: Config(128, 64, 8, 2, one_loop=True, tma=True),
 }
 
 # Without TMA (paged walks, pre-Hopper GPUs, misaligned strides) the 4-warp d128 program must also

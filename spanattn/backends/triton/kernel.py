@@ -18,8 +18,8 @@ a serving loop compiles each layer kind once.
 A paged KV cache is the ``PAGED`` constexpr: keys are addressed by in-sequence position and
 ``rows.kv_rows`` turns positions into physical rows, through ``block_table`` entries that ``_walk``
 loads one tile ahead (one per tile when a tile fits in a page, else one per key row). Packed
-K/V on sm_90+ come through TMA instead (``TMA``): one descriptor per sequence and KV head, made
-in the kernel, so rows past the sequence end read as zero and need no address clamp.
+K/V on sm_90+ come through TMA instead (``TMA``): host-made descriptors over the whole packed
+K/V, for every tile that lies inside its sequence.
 """
 
 from __future__ import annotations
@@ -53,7 +53,10 @@ def _attend(
     partial,
     desc_k,
     desc_v,
-    n,
+    n_load,
+    tma_row0,
+    k_col0,
+    v_col0,
     MASKED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -63,14 +66,12 @@ def _attend(
 ):
     """One KV tile of the online softmax; scores live in the log2 domain (exp2 is one MUFU op).
     MASKED: 0 = a FULL tile, 1 = a PARTIAL tile, 2 = decided at run time by ``partial``."""
-    k_ptrs = K + rows[:, None] * stride_kt + offs_d[None, :]
-    v_ptrs = V + rows[:, None] * stride_vt + offs_dv[None, :]
     if TMA:
-        k = desc_k.load([n, 0])
+        k = desc_k.load([tma_row0 + n_load, k_col0])
     elif HEAD_DIM != D:  # head_dim padded up to a power of two: the pad columns read as zero
-        k = tl.load(k_ptrs, mask=offs_d[None, :] < D, other=0.0)
+        k = tl.load(K + rows[:, None] * stride_kt + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
     else:
-        k = tl.load(k_ptrs)
+        k = tl.load(K + rows[:, None] * stride_kt + offs_d[None, :])
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if SOFTCAP:
         # c * tanh(x) with x = score * scale / c; tanh(x) = 1 - 2 / (exp(2x) + 1), which saturates
@@ -100,11 +101,11 @@ def _attend(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if TMA:
-        v = desc_v.load([n, 0])
+        v = desc_v.load([tma_row0 + n_load, v_col0])
     elif HEAD_DIM != D:
-        v = tl.load(v_ptrs, mask=offs_dv[None, :] < D, other=0.0)
+        v = tl.load(V + rows[:, None] * stride_vt + offs_dv[None, :], mask=offs_dv[None, :] < D, other=0.0)
     else:
-        v = tl.load(v_ptrs)
+        v = tl.load(V + rows[:, None] * stride_vt + offs_dv[None, :])
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -113,9 +114,9 @@ def _attend(
 def _walk(
     acc, m_i, l_i, q, K, V, start, end, kv_end, full_start, full_end, k_row0, BT, lo, hi,
     stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
-    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WHILE_LOOPS: tl.constexpr, TMA: tl.constexpr,
+    tma_row0, tma_last, k_col0, v_col0, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, WHILE_LOOPS: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """KV tiles ``[start, end)`` in steps of BLOCK_N. A ``for`` loop is what triton software-
     pipelines; the interpreter cannot take loaded scalars as ``range`` bounds under numpy >= 2.4
@@ -139,7 +140,8 @@ def _walk(
             acc, m_i, l_i, page = _kv_tile(
                 acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, BT, lo, hi,
                 stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
-                MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, TMA,
+                tma_row0, tma_last, k_col0, v_col0, MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED,
+                PAGE_SIZE, DOT_PRECISION, TMA,
             )  # fmt: skip
             n += BLOCK_N
     else:
@@ -147,7 +149,8 @@ def _walk(
             acc, m_i, l_i, page = _kv_tile(
                 acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, BT, lo, hi,
                 stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
-                MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, TMA,
+                tma_row0, tma_last, k_col0, v_col0, MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED,
+                PAGE_SIZE, DOT_PRECISION, TMA,
             )  # fmt: skip
     return acc, m_i, l_i
 
@@ -156,9 +159,9 @@ def _walk(
 def _kv_tile(
     acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, BT, lo, hi,
     stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
-    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    tma_row0, tma_last, k_col0, v_col0, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """The KV tile at ``n`` (its block_table entries ``page``), and the next tile's entries,
     loaded before this tile's work (see ``_walk``)."""
@@ -166,13 +169,19 @@ def _kv_tile(
         next_page = tile_pages(BT, n + BLOCK_N, kv_end, offs_n, PAGE_SIZE, BLOCK_N)
     else:
         next_page = page
-    kv_idx = n + offs_n
+    if TMA:  # the tile across the sequence end is read shifted back (see attn_fwd)
+        n_load = tl.minimum(n, tma_last)
+        lo_seen = tl.maximum(lo, n)  # keys below n: walked by the previous tile
+    else:
+        n_load = n
+        lo_seen = lo
+    kv_idx = n_load + offs_n
     partial = (n < full_start) | (n + BLOCK_N > full_end)
     rows = kv_rows(page, n, kv_end, k_row0, offs_n, MASKED, PAGED, PAGE_SIZE, BLOCK_N)
     acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q, K, V, rows, kv_idx, lo, hi, stride_kt, stride_vt, offs_d, offs_dv,
-        qk_scale, softcap_log2, partial, desc_k, desc_v, n, MASKED, SOFTCAP, HEAD_DIM, D,
-        DOT_PRECISION, TMA,
+        acc, m_i, l_i, q, K, V, rows, kv_idx, lo_seen, hi, stride_kt, stride_vt, offs_d, offs_dv,
+        qk_scale, softcap_log2, partial, desc_k, desc_v, n_load, tma_row0, k_col0, v_col0, MASKED,
+        SOFTCAP, HEAD_DIM, D, DOT_PRECISION, TMA,
     )  # fmt: skip
     return acc, m_i, l_i, next_page
 
@@ -182,6 +191,8 @@ def attn_fwd(
     Q,
     K,
     V,
+    K_DESC,
+    V_DESC,
     OUT,
     LSE,
     LO,
@@ -267,21 +278,20 @@ def attn_fwd(
     K += kv_head * stride_kh
     V += kv_head * stride_vh
     if TMA:
-        # Per-sequence descriptors: key rows past the sequence end read as zero (never another
-        # sequence's keys), so PARTIAL tiles need no address clamp.
-        kv_len = tl.load(CU_SEQLENS_K + seq + 1) - k_row0
-        desc_k = tl.make_tensor_descriptor(
-            K + k_row0 * stride_kt, shape=[kv_len, D], strides=[stride_kt, 1],
-            block_shape=[BLOCK_N, HEAD_DIM],
-        )  # fmt: skip
-        dv0 = dv_part * (HEAD_DIM // DV_SPLIT)
-        desc_v = tl.make_tensor_descriptor(
-            V + k_row0 * stride_vt + dv0, shape=[kv_len, D - dv0], strides=[stride_vt, 1],
-            block_shape=[BLOCK_N, HEAD_DIM // DV_SPLIT],
-        )  # fmt: skip
+        # Descriptors over the packed [total_k, Hkv * D] keys and values, made on the host (one
+        # per launch, none per program). A tile must not run past the sequence end: it would read
+        # the next sequence's values, which p = 0 does not cancel when they are inf or NaN. So
+        # the tile across the end is read shifted back to end with the sequence (``tma_last``),
+        # its keys below ``n`` masked as already seen (forward needs kv_len >= BLOCK_N).
+        tma_row0 = k_row0.to(tl.int32)
+        tma_last = tl.load(CU_SEQLENS_K + seq + 1) - tma_row0 - BLOCK_N
+        k_col0 = kv_head * D
+        v_col0 = k_col0 + dv_part * (HEAD_DIM // DV_SPLIT)
     else:
-        desc_k = K
-        desc_v = V
+        tma_row0 = 0
+        tma_last = 0
+        k_col0 = 0
+        v_col0 = 0
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM // DV_SPLIT], dtype=tl.float32)
@@ -291,27 +301,31 @@ def attn_fwd(
         # a tile's key range is only a few tiles long (sliding windows).
         acc, m_i, l_i = _walk(
             acc, m_i, l_i, q, K, V, kv_start, kv_end, kv_end, full_start, full_end, k_row0, BT,
-            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
-            2, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, TMA,
+            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, K_DESC, V_DESC,
+            tma_row0, tma_last, k_col0, v_col0, 2, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE,
+            DOT_PRECISION, WHILE_LOOPS, TMA,
         )  # fmt: skip
     else:
         # PARTIAL tiles before the FULL range (sliding windows, non-causal rows, span starts).
         acc, m_i, l_i = _walk(
             acc, m_i, l_i, q, K, V, kv_start, full_start, kv_end, full_start, full_end, k_row0, BT,
-            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
-            1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, TMA,
+            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, K_DESC, V_DESC,
+            tma_row0, tma_last, k_col0, v_col0, 1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE,
+            DOT_PRECISION, WHILE_LOOPS, TMA,
         )  # fmt: skip
         # FULL tiles: every (row, key) pair allowed and in bounds.
         acc, m_i, l_i = _walk(
             acc, m_i, l_i, q, K, V, full_start, full_end, kv_end, full_start, full_end, k_row0, BT,
-            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
-            0, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, TMA,
+            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, K_DESC, V_DESC,
+            tma_row0, tma_last, k_col0, v_col0, 0, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE,
+            DOT_PRECISION, WHILE_LOOPS, TMA,
         )  # fmt: skip
         # PARTIAL tiles after it (the causal diagonal, span ends, chunk ends).
         acc, m_i, l_i = _walk(
             acc, m_i, l_i, q, K, V, full_end, kv_end, kv_end, full_start, full_end, k_row0, BT,
-            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
-            1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, TMA,
+            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, K_DESC, V_DESC,
+            tma_row0, tma_last, k_col0, v_col0, 1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE,
+            DOT_PRECISION, WHILE_LOOPS, TMA,
         )  # fmt: skip
 
     # Every row allows k = q, so l_i > 0 for stored rows.
