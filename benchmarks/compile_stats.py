@@ -27,6 +27,7 @@ from triton.compiler import ASTSource
 
 from spanattn.backends.triton import kernel as tk
 from spanattn.backends.triton.configs import Config
+from spanattn.backends.triton.schedule import INFO
 
 FP_ARGS = ("Q", "K", "V", "K_DESC", "V_DESC", "OUT", "LSE")
 SCALAR_FP = ("qk_scale", "softcap_log2")
@@ -58,7 +59,7 @@ def stats(cfg: Config, d: int, paged: int = 0) -> dict:
         "HQ": 16, "GROUP": 2, "HEAD_DIM": d, "D": d, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
         "SOFTCAP": False, "RETURN_LSE": False, "PAGED": bool(paged), "PAGE_SIZE": paged or 1,
         "DOT_PRECISION": "tf32", "WHILE_LOOPS": False, "ONE_LOOP": cfg.one_loop,
-        "DV_SPLIT": cfg.dv_split, "TMA": cfg.tma and not paged,
+        "DV_SPLIT": cfg.dv_split, "TMA": cfg.tma and not paged, "N_INFO": len(INFO),
     }  # fmt: skip
     runtime = [i for i, t in enumerate(sig.values()) if t not in ("constexpr", "fp32") and "desc" not in t]
     attrs = {(i,): [["tt.divisibility", 16]] for i in runtime}

@@ -161,20 +161,76 @@ def test_unsupported_head_dim_says_why():
 
 
 def test_schedule_covers_every_query_once_heaviest_first():
-    from spanattn.backends.triton.schedule import build_schedule, tile_schedule
+    from spanattn.backends.triton.schedule import INFO, build_schedule, tile_schedule
 
     batch = sa.Batch(
         [sa.Seq(q_len=40, kv_len=100), sa.Seq(q_len=1, kv_len=7), sa.Seq(q_len=33, causal=False)]
     )
     p = sa.plan(batch, sa.LayerMask(spans="off"))
-    s = build_schedule(p, 16)
-    starts = sorted(zip(s.tile_seq.tolist(), s.tile_qstart.tolist()))
-    assert starts == [(0, 0), (0, 16), (0, 32), (1, 0), (2, 0), (2, 16), (2, 32)]
+    s = build_schedule(p, 16, 16)
+    starts = sorted(zip(s.column("seq").tolist(), s.column("q_row0").tolist()))
+    assert starts == [(0, 0), (0, 16), (0, 32), (1, 40), (2, 41), (2, 57), (2, 73)]
     cost = s.tile_cost.tolist()
     assert cost == sorted(cost, reverse=True)
-    # tile (0, 32): queries 32..39 at positions 92..99, causal from 0
-    assert cost[0] == 100 and s.tile_seq[0].item() == 0 and s.tile_qstart[0].item() == 32
-    assert tile_schedule(p, 16) is tile_schedule(p, 16)  # built once per plan, reused by layers
+    row = dict(zip(INFO, s.info[0].tolist()))
+    # tile (0, 32): queries 32..39 at positions 92..99, causal from 0; FULL key tiles end at 80
+    assert cost[0] == 100 and row == {
+        "q_row0": 32, "q_row_last": 39, "k_row0": 0, "kv_len": 100, "seq": 0,
+        "kv_start": 0, "kv_end": 100, "full_start": 0, "full_end": 80,
+    }  # fmt: skip
+    last = dict(zip(INFO, s.info[s.column("q_row0") == 73][0].tolist()))
+    assert last == {
+        "q_row0": 73, "q_row_last": 73, "k_row0": 107, "kv_len": 33, "seq": 2,
+        "kv_start": 0, "kv_end": 33, "full_start": 0, "full_end": 32,
+    }  # fmt: skip
+    assert tile_schedule(p, 16, 16) is tile_schedule(p, 16, 16)  # built once per plan, reused by layers
+
+
+def assert_same_schedule(batch, layer):
+    from spanattn.backends.triton.schedule import build_schedule
+    from spanattn.backends.triton.schedule_triton import build_schedule_triton
+
+    p = sa.plan(batch, layer, device=DEV)
+    for block_m, block_n in ((16, 16), (16, 32), (32, 16)):
+        a, b = build_schedule(p, block_m, block_n), build_schedule_triton(p, block_m, block_n)
+        assert torch.equal(a.info, b.info) and torch.equal(a.tile_cost, b.tile_cost)
+
+
+@settings(max_examples=8, deadline=None)
+@given(batch=batches(max_seqs=4, max_len=90), layer=layers(max_window=60))
+def test_one_launch_schedule_equals_the_definition(batch, layer):
+    assert_same_schedule(batch, layer)
+
+
+def test_one_launch_schedule_on_tile_edges():
+    """Interval ends one short of a tile edge, where a rounding slip shows."""
+    edges = sa.Batch([sa.Seq(q_len=17, kv_len=32), sa.Seq(q_len=20, kv_len=32, causal=False), *MIXED.seqs])
+    for layer in (sa.LayerMask(spans="off"), sa.LayerMask(window=16, spans="on")):
+        assert_same_schedule(edges, layer)
+        assert_same_schedule(LONG_ENOUGH, layer)
+
+
+@settings(max_examples=8, deadline=None)
+@given(batch=batches(max_seqs=4, max_len=90), layer=layers(max_window=60))
+def test_schedule_key_walks_hold_every_row(batch, layer):
+    """Each tile walks keys ``[kv_start, kv_end)`` holding all its rows' intervals, from a
+    multiple of block_n; its FULL range (multiples of block_n, or empty) lies inside every row's
+    interval."""
+    from spanattn.backends.triton.schedule import INFO, build_schedule
+
+    p = sa.plan(batch, layer)
+    lo, hi = p.lo.tolist(), p.hi.tolist()
+    for info in build_schedule(p, 16, 32).info.tolist():
+        t = dict(zip(INFO, info))
+        rows = range(t["q_row0"], t["q_row_last"] + 1)
+        assert t["kv_start"] % 32 == 0
+        # an empty FULL range may sit at kv_end, which need not be a multiple
+        assert all(t[c] % 32 == 0 or t[c] == t["kv_end"] for c in ("full_start", "full_end"))
+        assert t["kv_start"] <= min(lo[r] for r in rows) and t["kv_end"] == max(hi[r] for r in rows) + 1
+        assert t["kv_end"] <= t["kv_len"] and len(rows) <= 16
+        if t["full_start"] < t["full_end"]:
+            assert all(lo[r] <= t["full_start"] and t["full_end"] <= hi[r] + 1 for r in rows)
+        assert t["kv_start"] > min(lo[r] for r in rows) - 32
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -189,7 +245,7 @@ def test_configs_without_tma_keep_pointer_friendly_tiles():
     from spanattn.backends.triton.configs import Config, pick
 
     bf16 = torch.bfloat16
-    assert pick(128, bf16, False).tma and pick(128, bf16, False).num_warps == 4
+    assert pick(128, bf16, False).tma and pick(128, bf16, False).one_loop
     assert pick(128, bf16, False, tma=False) == Config(128, 128, 8, 3)
     assert pick(128, bf16, False, 1024, tma=False) == Config(128, 128, 8, 3, one_loop=True)
     assert pick(256, bf16, False, tma=False) == Config(128, 64, 8, 2, one_loop=True)

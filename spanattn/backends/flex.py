@@ -10,7 +10,10 @@ Where it still recompiles: a new head_dim, dtype, GQA ratio, scale, softcap or `
 (all fixed per model), and the shape specializations the installed torch's flex lowering keeps.
 Measured on torch 2.11 (H200, the bench's recompile probe): after the standard scenarios, the
 first step with lengths not a multiple of 128 built one more graph; the next steps (other
-lengths, multiples of 128 or not) built none. CPU runs flex's eager path, which materializes
+lengths, multiples of 128 or not) built none. The price of no recompiles: torch's dynamic-shape
+flex kernel cannot prove lengths divisible by its 128 block and checks bounds on every load,
+5-16% slower than a static-shape compile on S0-S4 (``SPANATTN_FLEX_DYNAMIC=0`` matches the
+static peer within 1%; benchmarks/gpu_flex.py). CPU runs flex's eager path, which materializes
 the scores and evaluates ``mask_mod`` densely (it ignores the block tables).
 """
 

@@ -9,25 +9,25 @@ import importlib
 import torch
 
 from .configs import Config, padded_head_dim, pick
-from .schedule import tile_schedule
+from .schedule import INFO, tile_schedule
 
 LOG2E = 1.4426950408889634
 AUTO_NEEDS_CUDA = True  # backend="auto" never picks the interpreter; naming "triton" still can
 
 # Paged prefill over pages smaller than a key tile pays a page lookup and address math per key
-# row on every key tile of every query head it walks: 7-17% of the attention at page 16 (H200).
-# Copying the step's keys out of the pages instead (page_copy.py, ~3.7 TB/s) costs one read and
-# write of K/V, per KV head and head_dim element. So the copy wins when each key is seen by many
-# (query, key) pairs x query heads per KV head, relative to head_dim. Measured at page 16, GQA 2,
-# value of the rule below in brackets (results/2026-11-29-paged-prefill-h200-v7.json): S2 [32-64k]
-# copy +0.2-1% vs walk +9-17%; S1 d128 [2048] copy +6.3% vs walk +11%; S1 d256 [1024] copy +7.1%
-# vs walk +6.5%; S3 d256 [413] copy +21% vs walk +7.6%.
-GATHER_PAIRS_PER_KEY = 1536  # at head_dim 128; scaled by head_dim / 128
-# Pages of at least a key tile walk nearly free (0.97-1.04x), but only on pointer loads, while
-# contiguous K/V go through TMA on faster tiles (d128, results/...-paged-prefill-h200-v9/v10:
-# S2 over 128-token pages 1.115x walking, 1.003x copying; S1 1.034x walking, where a copy would
-# cost ~7%): copy those only on much longer walks.
-GATHER_WHOLE_PAGES_FACTOR = 4
+# row on every key tile of every query head it walks, on pointer loads, while packed K/V come
+# through TMA. Copying the step's keys out of the pages instead (page_copy.py, ~3.7 TB/s) costs
+# one read and write of K/V, per KV head and head_dim element. So the copy wins when each key is
+# seen by many (query, key) pairs x query heads per KV head, relative to head_dim. Measured at
+# page 16, GQA 2, value of the rule below in brackets (results/2026-11-29-paged-prefill-h200-v11
+# .json, after host TMA descriptors sped up the packed path): S2 [32-64k] copy +0.7-1.3% vs walk
+# +17-21%; S1 d128 [2048] copy +10% vs walk +21%; S1 d256 [1024] copy +6.9% vs walk +18%; S3
+# d256 [413] copy +20% vs walk +18.5%.
+GATHER_PAIRS_PER_KEY = 768  # at head_dim 128; scaled by head_dim / 128
+# Pages of at least a key tile walk cheaper (one page entry per tile): at 128-token pages S1 d128
+# [2048] walks at 1.137x where a copy costs ~8%, S1 d256 [1024] walks at 1.05x, S3 [413] 1.056x
+# (v11): copy those from twice the threshold.
+GATHER_WHOLE_PAGES_FACTOR = 2
 
 
 def gathers_pages(plan, page_size: int, block_n: int, group: int = 1, head_dim: int = 128) -> bool:
@@ -92,6 +92,14 @@ def _descriptors(k, v, cfg: Config, d: int):
 def _kernel_module():
     # Imported on first use so that importing spanattn never needs triton.
     return importlib.import_module(__name__ + ".kernel")
+
+
+def prepare(plan, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Build the step's tile schedule ahead of the first layer (cached on the plan): what a step
+    pays once for this backend besides ``spanattn.plan``, so that benchmarks count it."""
+    kmod = _kernel_module()
+    cfg = pick(head_dim, dtype, kmod.INTERPRETED, plan.layer.window)
+    tile_schedule(plan, cfg.block_m, cfg.block_n)
 
 
 def unavailable(q, plan, **opts) -> str | None:
@@ -173,7 +181,7 @@ def forward(
     if out is None:
         out = torch.empty(total_q, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device) if return_lse else None
-    sched = tile_schedule(plan, cfg.block_m, lpt)
+    sched = tile_schedule(plan, cfg.block_m, cfg.block_n, lpt)
     if softcap:
         qk_scale, softcap_log2 = scale / softcap, softcap * LOG2E
     else:
@@ -181,8 +189,7 @@ def forward(
     grid = (sched.num_tiles * hq * cfg.dv_split,)
     kmod.attn_fwd[grid](
         q, k, v, kd, vd, out, lse if return_lse else out,
-        plan.lo, plan.hi, plan.cu_seqlens_q, plan.cu_seqlens_k,
-        sched.tile_seq, sched.tile_qstart, block_table if paged else plan.seq_lens,
+        plan.lo, plan.hi, sched.info, block_table if paged else plan.seq_lens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), block_table.stride(0) if paged else 0,
         qk_scale, softcap_log2,
@@ -190,10 +197,10 @@ def forward(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         SOFTCAP=bool(softcap), RETURN_LSE=return_lse, PAGED=paged, PAGE_SIZE=page_size or 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHILE_LOOPS=kmod.INTERPRETED,
-        ONE_LOOP=cfg.one_loop, DV_SPLIT=cfg.dv_split, TMA=tma,
+        ONE_LOOP=cfg.one_loop, DV_SPLIT=cfg.dv_split, TMA=tma, N_INFO=len(INFO),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, lse
 
 
-__all__ = ["Config", "forward", "unavailable"]
+__all__ = ["Config", "forward", "prepare", "unavailable"]

@@ -31,14 +31,16 @@ class Config:
 # elsewhere): S0 d128 +3.5%, S5 d512 +5.5%, S1 d128 +1.5%, d256 +-1% (2026-11-29-triton-tma-h200.json)
 # with descriptors made in the kernel per program; made once on the host instead, S1 d128 gains
 # another 5.6% and S5 2.2% (results/2026-11-29-triton-h200-s4-sweep.json).
-# d128 then runs 4 warps on 128 x 64 tiles, two stages: 96 KB of shared memory, so two programs
-# share an SM and one's softmax overlaps the other's MMAs (what FA3 schedules by hand): S0 and S2
-# +4% over 8 warps on 128 x 128 x 3 stages (224 KB, one program per SM), S4 equal.
+# d128: 4 warps on 128 x 64 tiles, two stages (96 KB: two programs per SM, one's softmax under
+# the other's MMAs) beat 8 warps on 128 x 128 x 3 stages (224 KB, one program) by 4% on S0/S2
+# while each program built its own descriptors; with host descriptors and per-tile bounds read
+# in one round (schedule.INFO), 8 warps win the geometric mean of S0/S2/S4 in three calls
+# (0.989-0.992x: S4 -6.5%, S0/S2 +1.5%; results/2026-11-29-triton-h200-s5.json).
 GPU_CONFIGS = {
     16: Config(128, 64, 4, 3, tma=True),
     32: Config(128, 64, 4, 3, tma=True),
     64: Config(128, 64, 4, 3, tma=True),
-    128: Config(128, 64, 4, 2, one_loop=True, tma=True),
+    128: Config(128, 128, 8, 3, one_loop=True, tma=True),
     256: Config(128, 64, 8, 2, one_loop=True, tma=True),
     512: Config(128, 32, 8, 2, one_loop=True, dv_split=2, tma=True),
 }
@@ -51,10 +53,11 @@ WINDOW_CONFIGS = {
     256: Config(128, 64, 8, 2, one_loop=True, tma=True),
 }
 
-# Without TMA (paged walks, pre-Hopper GPUs, misaligned strides) the 4-warp d128 program must also
-# hold its tiles' addresses: 255 registers and 292 B spilled (116 B with TMA; 8 warps: none, per
-# benchmarks/compile_stats.py). S2 d128 over 128-token pages ran 1.51x the contiguous time on it
-# (results/2026-11-29-paged-prefill-h200-v8.json), 1.115x on these 8-warp 128 x 128 tiles (v9).
+# Without TMA (paged walks, pre-Hopper GPUs, misaligned strides, a sequence shorter than a key
+# tile) d128 walks three loops, as measured for paged prefill: a 4-warp program must also hold
+# its tiles' addresses (255 registers, 292 B spilled per benchmarks/compile_stats.py) and ran S2
+# over 128-token pages at 1.51x the contiguous time (results/2026-11-29-paged-prefill-h200-v8.json),
+# 1.115x on these 8-warp 128 x 128 tiles (v9).
 POINTER_CONFIGS = {128: Config(128, 128, 8, 3)}
 
 # Small tiles for TRITON_INTERPRET=1 (CPU tests): cheap per step and many tile edges to cross.

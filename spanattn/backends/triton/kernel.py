@@ -197,10 +197,7 @@ def attn_fwd(
     LSE,
     LO,
     HI,
-    CU_SEQLENS_Q,
-    CU_SEQLENS_K,
-    TILE_SEQ,
-    TILE_QSTART,
+    TILE_INFO,
     BLOCK_TABLE,
     stride_qt,
     stride_qh,
@@ -228,6 +225,7 @@ def attn_fwd(
     ONE_LOOP: tl.constexpr,
     DV_SPLIT: tl.constexpr,
     TMA: tl.constexpr,
+    N_INFO: tl.constexpr,
 ):
     # Heads vary fastest so that all heads of one (heavy, LPT-ordered) tile run together and
     # share its K/V tiles through L2.
@@ -241,34 +239,40 @@ def attn_fwd(
     head = pid % HQ
     kv_head = head // GROUP
 
-    seq = tl.load(TILE_SEQ + tile)
-    q_start = tl.load(TILE_QSTART + tile)
-    q_row0 = tl.load(CU_SEQLENS_Q + seq)
-    q_len = tl.load(CU_SEQLENS_Q + seq + 1) - q_row0
-    k_row0 = tl.load(CU_SEQLENS_K + seq).to(tl.int64)
+    # One round of independent scalar loads (schedule.INFO), then K/V, Q and intervals together.
+    info = TILE_INFO + tile * N_INFO
+    q_row0 = tl.load(info + 0)
+    q_row_last = tl.load(info + 1)
+    k_row0 = tl.load(info + 2).to(tl.int64)
+    kv_len = tl.load(info + 3)
+    seq = tl.load(info + 4)
     BT = BLOCK_TABLE + seq.to(tl.int64) * stride_bt  # this sequence's pages (read only if PAGED)
 
-    offs_m = q_start + tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = dv_part * (HEAD_DIM // DV_SPLIT) + tl.arange(0, HEAD_DIM // DV_SPLIT)
-    row_ok = offs_m < q_len
+    row_ok = q_row0 + offs_m <= q_row_last
     # Rows past the sequence end copy the last row's interval: they compute a harmless duplicate
     # (never stored) instead of an empty row, and do not widen the tile's key range.
-    q_idx = q_row0 + tl.minimum(offs_m, q_len - 1)
+    q_idx = tl.minimum(q_row0 + offs_m, q_row_last)
     lo = tl.load(LO + q_idx)
     hi = tl.load(HI + q_idx)
-    kv_end = tl.max(hi) + 1
     # Every walked tile starts at a multiple of BLOCK_N: kv_start, full_start and full_end are
     # multiples (full_start = kv_end only leaves the loops after it empty). A paged tile then
     # lies in one page whenever BLOCK_N divides PAGE_SIZE (rows.tile_pages relies on this).
-    kv_start = (tl.min(lo) // BLOCK_N) * BLOCK_N
-    full_lo = tl.max(lo)
-    full_hi = tl.min(hi)
-    full_start = tl.minimum((full_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N, kv_end)
-    full_end = tl.maximum((full_hi + 1) // BLOCK_N * BLOCK_N, full_start)
+    if TMA:  # from the schedule: the first K/V tiles load without waiting for lo/hi
+        kv_start = tl.load(info + 5)
+        kv_end = tl.load(info + 6)
+        full_start = tl.load(info + 7)
+        full_end = tl.load(info + 8)
+    else:  # the same from lo/hi: pointer walks spill at d256 with them loaded (compile_stats)
+        kv_end = tl.max(hi) + 1
+        kv_start = (tl.min(lo) // BLOCK_N) * BLOCK_N
+        full_start = tl.minimum((tl.max(lo) + BLOCK_N - 1) // BLOCK_N * BLOCK_N, kv_end)
+        full_end = tl.maximum((tl.min(hi) + 1) // BLOCK_N * BLOCK_N, full_start)
 
-    q_rows = (q_row0 + offs_m).to(tl.int64)
+    q_rows = q_row0.to(tl.int64) + offs_m
     q_ptrs = Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
     if HEAD_DIM != D:
         q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
@@ -284,7 +288,7 @@ def attn_fwd(
         # the tile across the end is read shifted back to end with the sequence (``tma_last``),
         # its keys below ``n`` masked as already seen (forward needs kv_len >= BLOCK_N).
         tma_row0 = k_row0.to(tl.int32)
-        tma_last = tl.load(CU_SEQLENS_K + seq + 1) - tma_row0 - BLOCK_N
+        tma_last = kv_len - BLOCK_N
         k_col0 = kv_head * D
         v_col0 = k_col0 + dv_part * (HEAD_DIM // DV_SPLIT)
     else:

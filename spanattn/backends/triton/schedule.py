@@ -1,6 +1,6 @@
-"""The tile schedule of one step: which sequence and first query each program handles, heaviest
-tiles first. Built with a few vectorized torch ops per plan (no per-token Python loop, no device
-sync) and cached on the plan, so every layer of the step reuses it."""
+"""The tile schedule of one step: which queries each program handles and which keys it walks,
+heaviest tiles first. Built once per plan (no per-token Python loop, no device sync) and cached
+on it, so every layer of the step reuses it."""
 
 from __future__ import annotations
 
@@ -8,60 +8,103 @@ from dataclasses import dataclass
 
 import torch
 
+# Columns of TileSchedule.info, one row per tile: everything a program needs before its first
+# key tile, so that it issues its K/V loads after one round of scalar loads (the kernel used to
+# find the sequence, then its offsets, then reduce its rows' intervals: three dependent rounds,
+# a few microseconds that one program per SM cannot hide).
+INFO = ("q_row0", "q_row_last", "k_row0", "kv_len", "seq", "kv_start", "kv_end", "full_start", "full_end")
+
 
 @dataclass(frozen=True)
 class TileSchedule:
-    """``tile_seq``/``tile_qstart``: int32 ``[num_tiles]``, in launch order (heaviest first).
-    ``tile_cost``: int32 ``[num_tiles]`` keys each tile walks (``max hi - min lo + 1``), same order."""
+    """``info``: int32 ``[num_tiles, len(INFO)]`` in launch order (heaviest first): the tile's
+    first and last query rows (packed), its sequence's first key row and length, the sequence,
+    and its key walk for ``block_n``-key tiles: ``[kv_start, kv_end)`` with the FULL tiles in
+    ``[full_start, full_end)`` (DESIGN.md section 1; the bounds are multiples of ``block_n``
+    except ``kv_end``). ``tile_cost``: keys each tile walks (``max hi - min lo + 1``)."""
 
     block_m: int
-    tile_seq: torch.Tensor
-    tile_qstart: torch.Tensor
+    block_n: int
+    info: torch.Tensor
     tile_cost: torch.Tensor
 
     @property
     def num_tiles(self) -> int:
-        return self.tile_seq.shape[0]
+        return self.info.shape[0]
+
+    def column(self, name: str) -> torch.Tensor:
+        return self.info[:, INFO.index(name)]
 
 
-def build_schedule(plan, block_m: int, lpt: bool = True) -> TileSchedule:
-    """Split every sequence's queries into tiles of ``block_m`` and order them longest first
-    (LPT: the long causal tiles start first so the short ones fill the tail of the launch)."""
+def tile_starts(plan, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host side, O(tiles): the sequence and first query (in the sequence) of each tile, int64.
+    searchsorted, not repeat_interleave: the latter costs milliseconds on CPU even for a few
+    hundred elements."""
     q_lens = torch.tensor([s.q_len for s in plan.batch.seqs], dtype=torch.int64)
     n_tiles = (q_lens + block_m - 1) // block_m
-    total = int(n_tiles.sum())
-    # Host side, O(tiles): sequence and first query of each tile. searchsorted, not
-    # repeat_interleave: the latter costs milliseconds on CPU even for a few hundred elements.
     ends = torch.cumsum(n_tiles, 0)
-    tile_seq = torch.searchsorted(ends, torch.arange(total), right=True)
-    tile_qstart = (torch.arange(total) - (ends - n_tiles)[tile_seq]) * block_m
+    tiles = torch.arange(int(ends[-1]))
+    tile_seq = torch.searchsorted(ends, tiles, right=True)
+    return tile_seq, (tiles - (ends - n_tiles)[tile_seq]) * block_m
 
+
+def build_schedule(plan, block_m: int, block_n: int, lpt: bool = True) -> TileSchedule:
+    """Split every sequence's queries into tiles of ``block_m`` and order them longest first
+    (LPT: the long causal tiles start first so the short ones fill the tail of the launch).
+    The definition, in torch ops; CUDA builds the same table in one launch (schedule_triton.py)."""
+    tile_seq, tile_qstart = tile_starts(plan, block_m)
+    total = tile_seq.shape[0]
     dev = plan.device
-    tile_seq = tile_seq.to(dev, non_blocking=True)
-    tile_qstart = tile_qstart.to(dev, non_blocking=True)
-    first_tile = (ends - n_tiles).to(dev, non_blocking=True)
-    # Device side, O(tokens): each tile's key range from the intervals (the kernel recomputes it;
-    # here it only ranks tiles).
-    cu_q = plan.cu_seqlens_q.long()
+    tile_seq = tile_seq.to(dev)
+    tile_qstart = tile_qstart.to(dev)
+    cu_q, cu_k = plan.cu_seqlens_q.long(), plan.cu_seqlens_k.long()
+    q_row0 = cu_q[tile_seq] + tile_qstart
+    # O(tokens): each tile's interval extremes
     token = torch.arange(plan.total_q, device=dev)
     token_seq = plan.query_seq_ids()
+    first_tile = torch.searchsorted(tile_seq, torch.arange(plan.num_seqs, device=dev))
     token_tile = first_tile[token_seq] + (token - cu_q[token_seq]) // block_m
-    lo_min = torch.full((total,), 2**31 - 1, dtype=torch.int32, device=dev)
-    lo_min = lo_min.scatter_reduce(0, token_tile, plan.lo, "amin")
-    hi_max = torch.full((total,), -1, dtype=torch.int32, device=dev)
-    hi_max = hi_max.scatter_reduce(0, token_tile, plan.hi, "amax")
-    cost = hi_max - lo_min + 1
+
+    def reduce(values, how, init):
+        out = torch.full((total,), init, dtype=torch.int64, device=dev)
+        return out.scatter_reduce(0, token_tile, values.long(), how)
+
+    lo_min, lo_max = reduce(plan.lo, "amin", 2**31 - 1), reduce(plan.lo, "amax", -1)
+    hi_min, hi_max = reduce(plan.hi, "amin", 2**31 - 1), reduce(plan.hi, "amax", -1)
+    kv_end = hi_max + 1
+    full_start = torch.minimum((lo_max + block_n - 1) // block_n * block_n, kv_end)
+    cols = {
+        "q_row0": q_row0,
+        "q_row_last": torch.minimum(q_row0 + block_m, cu_q[tile_seq + 1]) - 1,
+        "k_row0": cu_k[tile_seq],
+        "kv_len": cu_k[tile_seq + 1] - cu_k[tile_seq],
+        "seq": tile_seq,
+        "kv_start": lo_min // block_n * block_n,
+        "kv_end": kv_end,
+        "full_start": full_start,
+        "full_end": torch.maximum((hi_min + 1) // block_n * block_n, full_start),
+    }
+    info = torch.stack([cols[c] for c in INFO], 1).to(torch.int32)
+    return ordered(block_m, block_n, info, (hi_max - lo_min + 1).to(torch.int32), lpt)
+
+
+def ordered(block_m, block_n, info, cost, lpt: bool) -> TileSchedule:
+    """The schedule with its tiles heaviest first (``lpt``) or in sequence order."""
     if lpt:
         order = torch.argsort(cost, descending=True, stable=True)
-        tile_seq, tile_qstart, cost = tile_seq[order], tile_qstart[order], cost[order]
-    return TileSchedule(
-        block_m=block_m,
-        tile_seq=tile_seq.to(torch.int32).contiguous(),
-        tile_qstart=tile_qstart.to(torch.int32).contiguous(),
-        tile_cost=cost.to(torch.int32).contiguous(),
-    )
+        info, cost = info[order], cost[order]
+    return TileSchedule(block_m, block_n, info.contiguous(), cost.contiguous())
 
 
-def tile_schedule(plan, block_m: int, lpt: bool = True) -> TileSchedule:
-    """The plan's cached schedule for ``block_m``."""
-    return plan.cached(("triton.tiles", block_m, lpt), lambda: build_schedule(plan, block_m, lpt))
+def tile_schedule(plan, block_m: int, block_n: int, lpt: bool = True) -> TileSchedule:
+    """The plan's cached schedule for ``block_m x block_n`` tiles (built on the first layer of
+    a step, reused by the others)."""
+
+    def build():
+        if plan.device.type == "cuda":
+            from .schedule_triton import build_schedule_triton
+
+            return build_schedule_triton(plan, block_m, block_n, lpt)
+        return build_schedule(plan, block_m, block_n, lpt)
+
+    return plan.cached(("triton.tiles", block_m, block_n, lpt), build)

@@ -1,0 +1,59 @@
+"""The tile schedule of schedule.py in one Triton launch (plus the LPT sort). The torch
+definition is ~30 small kernels, whose int64 scatter-min/max over 32k tokens alone took 0.4 ms
+of GPU time and the whole build 4-6 ms of wall time per step on an H200 (results/
+2026-11-29-triton-h200-s4.json, ``schedule_ms``); tests hold the two equal."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .schedule import INFO, TileSchedule, ordered, tile_starts
+
+
+@triton.jit
+def _tile_info_kernel(
+    starts_ptr, num_tiles, lo_ptr, hi_ptr, cu_q_ptr, cu_k_ptr, info_ptr, cost_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_INFO: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    seq = tl.load(starts_ptr + t)
+    q_row0 = tl.load(cu_q_ptr + seq) + tl.load(starts_ptr + num_tiles + t)
+    q_row_last = tl.minimum(q_row0 + BLOCK_M, tl.load(cu_q_ptr + seq + 1)) - 1
+    k_row0 = tl.load(cu_k_ptr + seq)
+    rows = q_row0 + tl.arange(0, BLOCK_M)
+    valid = rows <= q_row_last
+    lo = tl.load(lo_ptr + rows, mask=valid, other=0)
+    hi = tl.load(hi_ptr + rows, mask=valid, other=0)
+    lo_min = tl.min(tl.where(valid, lo, 2147483647))
+    lo_max = tl.max(tl.where(valid, lo, -1))
+    hi_min = tl.min(tl.where(valid, hi, 2147483647))
+    hi_max = tl.max(tl.where(valid, hi, -1))
+    kv_end = hi_max + 1
+    full_start = tl.minimum((lo_max + BLOCK_N - 1) // BLOCK_N * BLOCK_N, kv_end)
+    out = info_ptr + t * N_INFO  # columns in schedule.INFO's order
+    tl.store(out + 0, q_row0)
+    tl.store(out + 1, q_row_last)
+    tl.store(out + 2, k_row0)
+    tl.store(out + 3, tl.load(cu_k_ptr + seq + 1) - k_row0)
+    tl.store(out + 4, seq)
+    tl.store(out + 5, lo_min // BLOCK_N * BLOCK_N)
+    tl.store(out + 6, kv_end)
+    tl.store(out + 7, full_start)
+    tl.store(out + 8, tl.maximum((hi_min + 1) // BLOCK_N * BLOCK_N, full_start))
+    tl.store(cost_ptr + t, hi_max - lo_min + 1)
+
+
+def build_schedule_triton(plan, block_m: int, block_n: int, lpt: bool = True) -> TileSchedule:
+    """schedule.build_schedule, one launch for the table."""
+    tile_seq, tile_qstart = tile_starts(plan, block_m)
+    total = tile_seq.shape[0]
+    starts = torch.stack([tile_seq, tile_qstart]).to(torch.int32).to(plan.device)
+    info = torch.empty(total, len(INFO), dtype=torch.int32, device=plan.device)
+    cost = torch.empty(total, dtype=torch.int32, device=plan.device)
+    _tile_info_kernel[(total,)](
+        starts, total, plan.lo, plan.hi, plan.cu_seqlens_q, plan.cu_seqlens_k, info, cost,
+        BLOCK_M=block_m, BLOCK_N=block_n, N_INFO=len(INFO),
+    )  # fmt: skip
+    return ordered(block_m, block_n, info, cost, lpt)
