@@ -19,7 +19,7 @@ A paged KV cache is the ``PAGED`` constexpr: keys are addressed by in-sequence p
 ``rows.kv_rows`` turns positions into physical rows, through ``block_table`` entries that ``_walk``
 loads one tile ahead (one per tile when a tile fits in a page, else one per key row). Packed
 K/V on sm_90+ come through TMA instead (``TMA``): host-made descriptors over the whole packed
-K/V, for every tile that lies inside its sequence.
+K/V; the tile across a sequence's end is read shifted back, never into the next sequence.
 """
 
 from __future__ import annotations
