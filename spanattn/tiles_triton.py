@@ -20,8 +20,11 @@ import triton.language as tl
 
 from .triton_search import seq_of_rows
 
+# every scalar whose value changes from step to step (triton would specialize on = 1 and % 16)
+RUNTIME_ARGS = ["num_seqs", "total_q", "num_kv_blocks", "search_steps"]
 
-@triton.jit
+
+@triton.jit(do_not_specialize=RUNTIME_ARGS)
 def _tile_tables_kernel(
     lo_ptr, hi_ptr, cu_q_ptr, cu_k_ptr, num_seqs, total_q, num_kv_blocks, search_steps,
     alo_ptr, ahi_ptr, kv_num_ptr, kv_idx_ptr, full_num_ptr, full_idx_ptr,

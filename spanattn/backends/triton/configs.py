@@ -34,13 +34,17 @@ class Config:
 # d128: 4 warps on 128 x 64 tiles, two stages (96 KB: two programs per SM, one's softmax under
 # the other's MMAs) beat 8 warps on 128 x 128 x 3 stages (224 KB, one program) by 4% on S0/S2
 # while each program built its own descriptors; with host descriptors and per-tile bounds read
-# in one round (schedule.INFO), 8 warps win the geometric mean of S0/S2/S4 in three calls
-# (0.989-0.992x: S4 -6.5%, S0/S2 +1.5%; results/2026-11-29-triton-h200-s5.json).
+# in one round (schedule.INFO), 8 warps won the geometric mean of S0/S2/S4 (s5.json), and three
+# loops on those tiles beat one loop there: S0 +2.1%, S2 +3.8%, S4 -0.9% (s7-sweep.json; 16-warp
+# 256-row tiles ran 5-20% slower). Without TMA (paged walks, pre-Hopper GPUs, misaligned
+# strides, a sequence shorter than a key tile) the same tiles are read through pointers; three
+# loops on 8 warps also suit paged prefill (S2 over 128-token pages at 1.115x the contiguous
+# time, where 4 warps holding their tiles' addresses spilled and ran 1.51x: paged-prefill v9, v8).
 GPU_CONFIGS = {
     16: Config(128, 64, 4, 3, tma=True),
     32: Config(128, 64, 4, 3, tma=True),
     64: Config(128, 64, 4, 3, tma=True),
-    128: Config(128, 128, 8, 3, one_loop=True, tma=True),
+    128: Config(128, 128, 8, 3, tma=True),
     256: Config(128, 64, 8, 2, one_loop=True, tma=True),
     512: Config(128, 32, 8, 2, one_loop=True, dv_split=2, tma=True),
 }
@@ -52,13 +56,6 @@ WINDOW_CONFIGS = {
     128: Config(128, 128, 8, 3, one_loop=True, tma=True),
     256: Config(128, 64, 8, 2, one_loop=True, tma=True),
 }
-
-# Without TMA (paged walks, pre-Hopper GPUs, misaligned strides, a sequence shorter than a key
-# tile) d128 walks three loops, as measured for paged prefill: a 4-warp program must also hold
-# its tiles' addresses (255 registers, 292 B spilled per benchmarks/compile_stats.py) and ran S2
-# over 128-token pages at 1.51x the contiguous time (results/2026-11-29-paged-prefill-h200-v8.json),
-# 1.115x on these 8-warp 128 x 128 tiles (v9).
-POINTER_CONFIGS = {128: Config(128, 128, 8, 3)}
 
 # Small tiles for TRITON_INTERPRET=1 (CPU tests): cheap per step and many tile edges to cross.
 INTERPRETER_CONFIG = Config(16, 16, 4, 1)
@@ -87,7 +84,7 @@ def pick(
     cfg = WINDOW_CONFIGS.get(d) if short else None
     cfg = cfg or GPU_CONFIGS[d]
     if not tma and cfg.tma:
-        cfg = (None if short else POINTER_CONFIGS.get(d)) or replace(cfg, tma=False)
+        cfg = replace(cfg, tma=False)
     if dtype == torch.float32:
         cfg = _fit_fp32(cfg, d)
     return cfg

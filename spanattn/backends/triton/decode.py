@@ -79,7 +79,11 @@ def _decode_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# scalars that change from step to step (triton would specialize on = 1 and % 16)
+RUNTIME_ARGS = ["stride_bt", "stride_ls", "num_splits", "min_split_tiles"]
+
+
+@triton.jit(do_not_specialize=RUNTIME_ARGS)
 def _decode_split(
     Q, K, V, OUT, LSE, OUT_PART, LSE_PART, LO, HI, CU_SEQLENS_Q, CU_SEQLENS_K, BLOCK_TABLE,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -162,7 +166,7 @@ def _decode_split(
             tl.store(LSE + tok * HQ + head, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ls", "num_splits"])
 def _merge_splits(
     OUT_PART, LSE_PART, OUT, LSE, stride_ls, stride_ot, stride_oh, num_splits,
     HQ: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, RETURN_LSE: tl.constexpr,

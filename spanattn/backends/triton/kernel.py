@@ -186,7 +186,7 @@ def _kv_tile(
     return acc, m_i, l_i, next_page
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the block table's width may change per step
 def attn_fwd(
     Q,
     K,

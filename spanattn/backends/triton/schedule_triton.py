@@ -12,7 +12,7 @@ import triton.language as tl
 from .schedule import INFO, TileSchedule, ordered, tile_starts
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tiles"])  # changes every step: never a reason to recompile
 def _tile_info_kernel(
     starts_ptr, num_tiles, lo_ptr, hi_ptr, cu_q_ptr, cu_k_ptr, info_ptr, cost_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_INFO: tl.constexpr,
