@@ -38,14 +38,15 @@ class TileSchedule:
 
 def tile_starts(plan, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Host side, O(tiles): the sequence and first query (in the sequence) of each tile, int64.
-    searchsorted, not repeat_interleave: the latter costs milliseconds on CPU even for a few
-    hundred elements."""
-    q_lens = torch.tensor([s.q_len for s in plan.batch.seqs], dtype=torch.int64)
-    n_tiles = (q_lens + block_m - 1) // block_m
-    ends = torch.cumsum(n_tiles, 0)
-    tiles = torch.arange(int(ends[-1]))
-    tile_seq = torch.searchsorted(ends, tiles, right=True)
-    return tile_seq, (tiles - (ends - n_tiles)[tile_seq]) * block_m
+    Python lists, not torch CPU ops: after torch.compile has run in the process, even a
+    searchsorted over 256 tiles took 7-8 ms per step on the H200 machine (0.4 ms before), where
+    this costs microseconds per hundred tiles."""
+    seqs, starts = [], []
+    for i, s in enumerate(plan.batch.seqs):
+        n = -(-s.q_len // block_m)
+        seqs += [i] * n
+        starts += range(0, n * block_m, block_m)
+    return torch.tensor(seqs, dtype=torch.int64), torch.tensor(starts, dtype=torch.int64)
 
 
 def build_schedule(plan, block_m: int, block_n: int, lpt: bool = True) -> TileSchedule:
