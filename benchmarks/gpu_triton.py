@@ -37,12 +37,14 @@ from spanattn.scenarios import HKV, HQ, check_step, scenarios
 DEV = "cuda"
 # Config fields in order (BLOCK_M, BLOCK_N, num_warps, num_stages, one_loop, dv_split, tma) per
 # (head_dim, table), each judged on the scenarios that use that table (the geometric mean of
-# their times, relative to the first candidate, which is the current choice). Tried and dropped
-# (2026-11-29-triton-tma-h200.json): triton's automatic warp specialization of the KV loop
-# (tl.range(warp_specialize=True)): no gain. 2026-11-29-triton-h200-s7-sweep.json: 16 warps on
-# 256 x 64 / 256 x 32 tiles (5-20% slower) and 8 warps x 128 x 64 x 4
-# stages (-8%). Not timed: softmax of a tile under the next tile's Q @ K^T (FlashAttention-3's
-# overlap), which triton 3.6 compiles with its wgmma serialized (ptxas C7514) and spilling.
+# their times, relative to the first candidate, which is the current choice). Tried and dropped:
+# triton's automatic warp specialization of the KV loop (tl.range(warp_specialize=True)): no
+# gain (2026-11-29-triton-tma-h200.json). 16 warps on 256 x 64 / 256 x 32 tiles: 5-20% slower,
+# 8 warps x 128 x 64 x 4 stages: -8% (s7-sweep.json). FlashAttention-3's overlap of a tile's
+# softmax with MMAs: issuing the next tile's Q @ K^T first makes ptxas serialize the wgmma
+# (C7514: scores in flight carried across iterations); deferring each tile's P @ V by one tile
+# compiles cleanly (no spill) but needs a third V buffer, so 2 stages fit: 6-13% slower at d128
+# and d256 (s8-defer-pv.json).
 TABLES = {"global": ("GPU_CONFIGS", ("S0", "S2", "S4")), "window": ("WINDOW_CONFIGS", ("S1",)),
           "d512": ("GPU_CONFIGS", ("S5",))}  # fmt: skip
 CANDIDATES = {

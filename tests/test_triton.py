@@ -305,21 +305,22 @@ def test_tma_only_where_tiles_fit_sequences():
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 def test_sequences_never_read_each_others_keys(tma):
-    """A key tile running past a sequence's end must not read the next sequence's K/V: p = 0
-    there, but 0 * inf is NaN. The second sequence's K/V are inf and NaN; the first's output and
-    LSE must still be exact (TMA: its last tile is read shifted back, its repeated keys masked)."""
+    """A key tile must not read a neighbour sequence's K/V: p = 0 there, but 0 * inf is NaN.
+    The middle sequence's neighbours hold inf keys and NaN values; its output and LSE must still
+    be exact (TMA: its last tile is read shifted back, its repeated keys masked)."""
     from spanattn.backends import triton as tb
     from spanattn.backends.triton.configs import Config
 
-    batch = sa.Batch([sa.Seq(q_len=21, kv_len=45), sa.Seq(q_len=5, kv_len=40)])
-    p = sa.plan(batch, sa.LayerMask(spans="off"), device=DEV)
+    seqs = [sa.Seq(q_len=5, kv_len=40), sa.Seq(q_len=21, kv_len=45), sa.Seq(q_len=5, kv_len=40)]
+    p = sa.plan(sa.Batch(seqs), sa.LayerMask(spans="off"), device=DEV)
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(n, 2, 32, generator=g) for n in (p.total_q, p.total_k, p.total_k))
-    k[45:], v[45:] = float("inf"), float("nan")
+    for rows in (slice(0, 40), slice(85, None)):
+        k[rows], v[rows] = float("inf"), float("nan")
     q, k, v = (t.half().to(DEV) for t in (q, k, v))
     cfg = Config(16, 32, 4, 1, one_loop=True, tma=tma)
     out = torch.full_like(q, float("nan"))
     out, lse = tb.forward(q, k, v, p, scale=32**-0.5, return_lse=True, out=out, config=cfg)
-    first = sa.plan(sa.Batch(batch.seqs[:1]), sa.LayerMask(spans="off"))
-    qc, kc, vc = (t[:n].cpu() for t, n in ((q, 21), (k, 45), (v, 45)))
-    assert_close_to_truth(out[:21].cpu(), lse[:21].cpu(), qc, kc, vc, first, scale=32**-0.5)
+    middle = sa.plan(sa.Batch(seqs[1:2]), sa.LayerMask(spans="off"))
+    qc, kc, vc = (t[rows].cpu() for t, rows in ((q, slice(5, 26)), (k, slice(40, 85)), (v, slice(40, 85))))
+    assert_close_to_truth(out[5:26].cpu(), lse[5:26].cpu(), qc, kc, vc, middle, scale=32**-0.5)

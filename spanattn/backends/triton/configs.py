@@ -102,4 +102,4 @@ def _fit_fp32(cfg: Config, d: int, budget: int = 160 * 1024) -> Config:
         stages -= 1
     while smem() > budget and bm > 16:
         bm //= 2
-    return Config(bm, bn, cfg.num_warps, stages, cfg.one_loop, cfg.dv_split, cfg.tma)
+    return replace(cfg, block_m=bm, block_n=bn, num_stages=stages)

@@ -33,46 +33,14 @@ INTERPRETED = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") e
 
 
 @triton.jit
-def _attend(
-    acc,
-    m_i,
-    l_i,
-    q,
-    K,
-    V,
-    rows,
-    kv_idx,
-    lo,
-    hi,
-    stride_kt,
-    stride_vt,
-    offs_d,
-    offs_dv,
-    qk_scale,
-    softcap_log2,
-    partial,
-    desc_k,
-    desc_v,
-    n_load,
-    tma_row0,
-    k_col0,
-    v_col0,
-    MASKED: tl.constexpr,
+def _softmax(
+    s, m_i, l_i, kv_idx, lo, hi, qk_scale, softcap_log2, partial, MASKED: tl.constexpr,
     SOFTCAP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
-):
-    """One KV tile of the online softmax; scores live in the log2 domain (exp2 is one MUFU op).
-    MASKED: 0 = a FULL tile, 1 = a PARTIAL tile, 2 = decided at run time by ``partial``."""
-    if TMA:
-        k = desc_k.load([tma_row0 + n_load, k_col0])
-    elif HEAD_DIM != D:  # head_dim padded up to a power of two: the pad columns read as zero
-        k = tl.load(K + rows[:, None] * stride_kt + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
-    else:
-        k = tl.load(K + rows[:, None] * stride_kt + offs_d[None, :])
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+):  # fmt: skip
+    """The online-softmax step of one tile's raw scores ``s``: ``p`` (fp32, unnormalized), the
+    factor ``alpha`` that rescales what was accumulated before, the new row max and row sum.
+    Scores live in the log2 domain (exp2 is one MUFU op). MASKED: 0 = a FULL tile, 1 = a
+    PARTIAL tile, 2 = decided at run time by ``partial``."""
     if SOFTCAP:
         # c * tanh(x) with x = score * scale / c; tanh(x) = 1 - 2 / (exp(2x) + 1), which saturates
         # cleanly to +-1 (tl has no portable tanh across triton versions). Result in log2 units.
@@ -99,28 +67,93 @@ def _attend(
     p = tl.exp2(s * s_scale - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _attend(
+    acc, m_i, l_i, q, K, V, rows, kv_idx, lo, hi, stride_kt, stride_vt, offs_d, offs_dv, qk_scale,
+    softcap_log2, partial, MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One KV tile through pointer loads: scores, softmax, P @ V."""
+    if HEAD_DIM != D:  # head_dim padded up to a power of two: the pad columns read as zero
+        k = tl.load(K + rows[:, None] * stride_kt + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
+    else:
+        k = tl.load(K + rows[:, None] * stride_kt + offs_d[None, :])
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    p, alpha, m_i, l_i = _softmax(
+        s, m_i, l_i, kv_idx, lo, hi, qk_scale, softcap_log2, partial, MASKED, SOFTCAP
+    )
     acc = acc * alpha[:, None]
-    if TMA:
-        v = desc_v.load([tma_row0 + n_load, v_col0])
-    elif HEAD_DIM != D:
+    if HEAD_DIM != D:
         v = tl.load(V + rows[:, None] * stride_vt + offs_dv[None, :], mask=offs_dv[None, :] < D, other=0.0)
     else:
         v = tl.load(V + rows[:, None] * stride_vt + offs_dv[None, :])
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _tma_tile(
+    acc, m_i, l_i, q, n, full_start, full_end, lo, hi, offs_n, qk_scale, softcap_log2, desc_k,
+    desc_v, tma_row0, tma_last, k_col0, v_col0, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One KV tile through TMA. The tile across the sequence end is read shifted back to end
+    with the sequence (see attn_fwd); its keys below ``n`` were walked by the previous tile."""
+    n_load = tl.minimum(n, tma_last)
+    k = desc_k.load([tma_row0 + n_load, k_col0])
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    partial = (n < full_start) | (n + BLOCK_N > full_end)
+    p, alpha, m_i, l_i = _softmax(
+        s, m_i, l_i, n_load + offs_n, tl.maximum(lo, n), hi, qk_scale, softcap_log2, partial, MASKED,
+        SOFTCAP,
+    )  # fmt: skip
+    acc = acc * alpha[:, None]
+    v = desc_v.load([tma_row0 + n_load, v_col0])
+    acc = tl.dot(p.to(q.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _walk_tma(
+    acc, m_i, l_i, q, start, end, full_start, full_end, lo, hi, offs_n, qk_scale, softcap_log2,
+    desc_k, desc_v, tma_row0, tma_last, k_col0, v_col0, MASKED: tl.constexpr,
+    SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr,
+):  # fmt: skip
+    """KV tiles ``[start, end)`` in steps of BLOCK_N through TMA (loops as in ``_walk``)."""
+    if WHILE_LOOPS:
+        n = start
+        while n < end:
+            acc, m_i, l_i = _tma_tile(
+                acc, m_i, l_i, q, n, full_start, full_end, lo, hi, offs_n, qk_scale, softcap_log2,
+                desc_k, desc_v, tma_row0, tma_last, k_col0, v_col0, MASKED, SOFTCAP, BLOCK_N,
+                DOT_PRECISION,
+            )  # fmt: skip
+            n += BLOCK_N
+    else:
+        for n in range(start, end, BLOCK_N):
+            acc, m_i, l_i = _tma_tile(
+                acc, m_i, l_i, q, n, full_start, full_end, lo, hi, offs_n, qk_scale, softcap_log2,
+                desc_k, desc_v, tma_row0, tma_last, k_col0, v_col0, MASKED, SOFTCAP, BLOCK_N,
+                DOT_PRECISION,
+            )  # fmt: skip
+    return acc, m_i, l_i
 
 
 @triton.jit
 def _walk(
     acc, m_i, l_i, q, K, V, start, end, kv_end, full_start, full_end, k_row0, BT, lo, hi,
-    stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
-    tma_row0, tma_last, k_col0, v_col0, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, WHILE_LOOPS: tl.constexpr, TMA: tl.constexpr,
+    stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, MASKED: tl.constexpr,
+    SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr,
 ):  # fmt: skip
-    """KV tiles ``[start, end)`` in steps of BLOCK_N. A ``for`` loop is what triton software-
-    pipelines; the interpreter cannot take loaded scalars as ``range`` bounds under numpy >= 2.4
-    (int() of a 1-element array), so it walks the same tiles with ``while``.
+    """KV tiles ``[start, end)`` in steps of BLOCK_N through pointer loads. A ``for`` loop is what
+    triton software-pipelines; the interpreter cannot take loaded scalars as ``range`` bounds under
+    numpy >= 2.4 (int() of a 1-element array), so it walks the same tiles with ``while``.
 
     Paged: each tile's block_table entries are loaded one tile ahead and carried into the next
     iteration. Loaded in the same iteration, they would be a load feeding the K/V loads'
@@ -139,18 +172,16 @@ def _walk(
         while n < end:
             acc, m_i, l_i, page = _kv_tile(
                 acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, BT, lo, hi,
-                stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
-                tma_row0, tma_last, k_col0, v_col0, MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED,
-                PAGE_SIZE, DOT_PRECISION, TMA,
+                stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, MASKED,
+                SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
             )  # fmt: skip
             n += BLOCK_N
     else:
         for n in range(start, end, BLOCK_N):
             acc, m_i, l_i, page = _kv_tile(
                 acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, BT, lo, hi,
-                stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
-                tma_row0, tma_last, k_col0, v_col0, MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED,
-                PAGE_SIZE, DOT_PRECISION, TMA,
+                stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, MASKED,
+                SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
             )  # fmt: skip
     return acc, m_i, l_i
 
@@ -158,10 +189,9 @@ def _walk(
 @triton.jit
 def _kv_tile(
     acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, BT, lo, hi,
-    stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, desc_k, desc_v,
-    tma_row0, tma_last, k_col0, v_col0, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, MASKED: tl.constexpr,
+    SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The KV tile at ``n`` (its block_table entries ``page``), and the next tile's entries,
     loaded before this tile's work (see ``_walk``)."""
@@ -169,19 +199,11 @@ def _kv_tile(
         next_page = tile_pages(BT, n + BLOCK_N, kv_end, offs_n, PAGE_SIZE, BLOCK_N)
     else:
         next_page = page
-    if TMA:  # the tile across the sequence end is read shifted back (see attn_fwd)
-        n_load = tl.minimum(n, tma_last)
-        lo_seen = tl.maximum(lo, n)  # keys below n: walked by the previous tile
-    else:
-        n_load = n
-        lo_seen = lo
-    kv_idx = n_load + offs_n
     partial = (n < full_start) | (n + BLOCK_N > full_end)
     rows = kv_rows(page, n, kv_end, k_row0, offs_n, MASKED, PAGED, PAGE_SIZE, BLOCK_N)
     acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q, K, V, rows, kv_idx, lo_seen, hi, stride_kt, stride_vt, offs_d, offs_dv,
-        qk_scale, softcap_log2, partial, desc_k, desc_v, n_load, tma_row0, k_col0, v_col0, MASKED,
-        SOFTCAP, HEAD_DIM, D, DOT_PRECISION, TMA,
+        acc, m_i, l_i, q, K, V, rows, n + offs_n, lo, hi, stride_kt, stride_vt, offs_d, offs_dv,
+        qk_scale, softcap_log2, partial, MASKED, SOFTCAP, HEAD_DIM, D, DOT_PRECISION,
     )  # fmt: skip
     return acc, m_i, l_i, next_page
 
@@ -281,6 +303,9 @@ def attn_fwd(
 
     K += kv_head * stride_kh
     V += kv_head * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM // DV_SPLIT], dtype=tl.float32)
     if TMA:
         # Descriptors over the packed [total_k, Hkv * D] keys and values, made on the host (one
         # per launch, none per program). A tile must not run past the sequence end: it would read
@@ -291,45 +316,54 @@ def attn_fwd(
         tma_last = kv_len - BLOCK_N
         k_col0 = kv_head * D
         v_col0 = k_col0 + dv_part * (HEAD_DIM // DV_SPLIT)
-    else:
-        tma_row0 = 0
-        tma_last = 0
-        k_col0 = 0
-        v_col0 = 0
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM // DV_SPLIT], dtype=tl.float32)
-
-    if ONE_LOOP:
+        if ONE_LOOP:
+            acc, m_i, l_i = _walk_tma(
+                acc, m_i, l_i, q, kv_start, kv_end, full_start, full_end, lo, hi, offs_n, qk_scale,
+                softcap_log2, K_DESC, V_DESC, tma_row0, tma_last, k_col0, v_col0, 2, SOFTCAP, BLOCK_N,
+                DOT_PRECISION, WHILE_LOOPS,
+            )  # fmt: skip
+        else:
+            acc, m_i, l_i = _walk_tma(
+                acc, m_i, l_i, q, kv_start, full_start, full_start, full_end, lo, hi, offs_n, qk_scale,
+                softcap_log2, K_DESC, V_DESC, tma_row0, tma_last, k_col0, v_col0, 1, SOFTCAP, BLOCK_N,
+                DOT_PRECISION, WHILE_LOOPS,
+            )  # fmt: skip
+            acc, m_i, l_i = _walk_tma(
+                acc, m_i, l_i, q, full_start, full_end, full_start, full_end, lo, hi, offs_n, qk_scale,
+                softcap_log2, K_DESC, V_DESC, tma_row0, tma_last, k_col0, v_col0, 0, SOFTCAP, BLOCK_N,
+                DOT_PRECISION, WHILE_LOOPS,
+            )  # fmt: skip
+            acc, m_i, l_i = _walk_tma(
+                acc, m_i, l_i, q, full_end, kv_end, full_start, full_end, lo, hi, offs_n, qk_scale,
+                softcap_log2, K_DESC, V_DESC, tma_row0, tma_last, k_col0, v_col0, 1, SOFTCAP, BLOCK_N,
+                DOT_PRECISION, WHILE_LOOPS,
+            )  # fmt: skip
+    elif ONE_LOOP:
         # One pipelined loop, each tile masked or not at run time: fewer pipeline fills when
         # a tile's key range is only a few tiles long (sliding windows).
         acc, m_i, l_i = _walk(
             acc, m_i, l_i, q, K, V, kv_start, kv_end, kv_end, full_start, full_end, k_row0, BT,
-            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, K_DESC, V_DESC,
-            tma_row0, tma_last, k_col0, v_col0, 2, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE,
-            DOT_PRECISION, WHILE_LOOPS, TMA,
+            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, 2, SOFTCAP,
+            HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
         )  # fmt: skip
     else:
         # PARTIAL tiles before the FULL range (sliding windows, non-causal rows, span starts).
         acc, m_i, l_i = _walk(
             acc, m_i, l_i, q, K, V, kv_start, full_start, kv_end, full_start, full_end, k_row0, BT,
-            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, K_DESC, V_DESC,
-            tma_row0, tma_last, k_col0, v_col0, 1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE,
-            DOT_PRECISION, WHILE_LOOPS, TMA,
+            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, 1, SOFTCAP,
+            HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
         )  # fmt: skip
         # FULL tiles: every (row, key) pair allowed and in bounds.
         acc, m_i, l_i = _walk(
             acc, m_i, l_i, q, K, V, full_start, full_end, kv_end, full_start, full_end, k_row0, BT,
-            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, K_DESC, V_DESC,
-            tma_row0, tma_last, k_col0, v_col0, 0, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE,
-            DOT_PRECISION, WHILE_LOOPS, TMA,
+            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, 0, SOFTCAP,
+            HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
         )  # fmt: skip
         # PARTIAL tiles after it (the causal diagonal, span ends, chunk ends).
         acc, m_i, l_i = _walk(
             acc, m_i, l_i, q, K, V, full_end, kv_end, kv_end, full_start, full_end, k_row0, BT,
-            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, K_DESC, V_DESC,
-            tma_row0, tma_last, k_col0, v_col0, 1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE,
-            DOT_PRECISION, WHILE_LOOPS, TMA,
+            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, 1, SOFTCAP,
+            HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
         )  # fmt: skip
 
     # Every row allows k = q, so l_i > 0 for stored rows.
