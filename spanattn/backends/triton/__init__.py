@@ -76,6 +76,27 @@ def uses_tma(plan, k, v, cfg: Config) -> bool:
     )
 
 
+def uses_gluon(q, cfg: Config, tma: bool) -> bool:
+    """Run the warp-specialized Gluon kernel (kernel_gluon.py)? Where K/V go through TMA
+    (``uses_tma``), the config asks for it, the GPU is sm_90 (its MMAs are Hopper's), q is
+    bf16/fp16 with each token's heads side by side and 16-byte aligned (Q comes by TMA too),
+    and this triton has Gluon."""
+    if not (tma and cfg.gluon and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    d = q.shape[-1]
+    aligned = q.data_ptr() % 16 == 0 and all(s * q.element_size() % 16 == 0 for s in q.stride()[:-1])
+    return q.stride(1) == d and aligned and _gluon_module() is not None
+
+
+def _gluon_module():
+    try:  # triton.experimental.gluon exists from triton 3.4 on
+        return importlib.import_module(__name__ + ".kernel_gluon")
+    except ImportError:
+        return None
+
+
 def _descriptors(k, v, cfg: Config, d: int):
     """Host TMA descriptors of K and V seen as ``[total_k, Hkv * D]`` matrices, read in
     ``BLOCK_N x D`` tiles (values in ``BLOCK_N x D / dv_split``): made once per launch, where
@@ -177,7 +198,6 @@ def forward(
             paged = False
     tma = not paged and uses_tma(plan, k, v, choose(True))
     cfg = choose(tma)
-    kd, vd = _descriptors(k, v, cfg, d) if tma else (k, v)
     if out is None:
         out = torch.empty(total_q, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device) if return_lse else None
@@ -186,6 +206,12 @@ def forward(
         qk_scale, softcap_log2 = scale / softcap, softcap * LOG2E
     else:
         qk_scale, softcap_log2 = scale * LOG2E, 1.0
+    if uses_gluon(q, cfg, tma):
+        _gluon_module().forward_gluon(
+            q, k, v, plan, sched, out, lse, qk_scale, softcap_log2, bool(softcap), cfg.num_stages
+        )
+        return out, lse
+    kd, vd = _descriptors(k, v, cfg, d) if tma else (k, v)
     grid = (sched.num_tiles * hq * cfg.dv_split,)
     kmod.attn_fwd[grid](
         q, k, v, kd, vd, out, lse if return_lse else out,

@@ -19,6 +19,9 @@ class Config:
     one_loop: bool = False  # one KV loop masking tiles at run time, not PARTIAL/FULL/PARTIAL loops
     dv_split: int = 1  # programs sharing a query tile, each computing 1/dv_split of the output columns
     tma: bool = False  # packed K/V tiles through TMA descriptors (sm_90+, head_dim a power of two)
+    # sm_90 with TMA, bf16/fp16: the warp-specialized Gluon kernel (kernel_gluon.py) on this
+    # config's block_n and num_stages; the fields above still hold for the triton kernel
+    gluon: bool = False
 
 
 # Hopper (H200) choices from benchmarks/gpu_triton.py's sweep (benchmarks/results/
@@ -44,7 +47,7 @@ GPU_CONFIGS = {
     16: Config(128, 64, 4, 3, tma=True),
     32: Config(128, 64, 4, 3, tma=True),
     64: Config(128, 64, 4, 3, tma=True),
-    128: Config(128, 128, 8, 3, tma=True),
+    128: Config(128, 128, 8, 3, tma=True, gluon=True),
     256: Config(128, 64, 8, 2, one_loop=True, tma=True),
     512: Config(128, 32, 8, 2, one_loop=True, dv_split=2, tma=True),
 }
@@ -53,7 +56,7 @@ GPU_CONFIGS = {
 # pipeline fills weigh more and one loop wins at every head_dim (S1: +4% d128, +10% d256).
 WINDOW_MAX = 4096
 WINDOW_CONFIGS = {
-    128: Config(128, 128, 8, 3, one_loop=True, tma=True),
+    128: Config(128, 128, 8, 3, one_loop=True, tma=True, gluon=True),
     256: Config(128, 64, 8, 2, one_loop=True, tma=True),
 }
 
@@ -84,7 +87,7 @@ def pick(
     cfg = WINDOW_CONFIGS.get(d) if short else None
     cfg = cfg or GPU_CONFIGS[d]
     if not tma and cfg.tma:
-        cfg = replace(cfg, tma=False)
+        cfg = replace(cfg, tma=False, gluon=False)
     if dtype == torch.float32:
         cfg = _fit_fp32(cfg, d)
     return cfg
