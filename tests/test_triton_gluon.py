@@ -45,6 +45,8 @@ def test_chosen_only_for_hopper_tma_steps():
         assert not uses_gluon(q, cfg, tma=False)
         assert not uses_gluon(q, replace(cfg, gluon=False), tma=True)
         assert not uses_gluon(q.float(), cfg, tma=True)
+        assert not uses_gluon(q[..., :64].contiguous(), cfg, tma=True)  # head_dim 64
+        assert not uses_gluon(q, replace(cfg, block_m=64), tma=True)
         heads_apart = torch.zeros(4, 4, 128, dtype=torch.bfloat16, device="cuda")[:, ::2]
         assert not uses_gluon(heads_apart, cfg, tma=True)
 

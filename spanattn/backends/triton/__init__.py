@@ -1,6 +1,8 @@
-"""The triton backend: one forward kernel over packed varlen q/k/v driven by the plan's
+"""The triton backend: a forward kernel over packed varlen q/k/v driven by the plan's
 intervals, skipping key tiles outside ``[min lo, max hi]`` and masking only the tiles that cut
-an interval. Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1`` (slow; for tests)."""
+an interval (kernel.py; on Hopper at head_dim 128 its warp-specialized Gluon form,
+kernel_gluon.py), and a split-KV kernel for decode-shaped steps (decode.py). Runs on CUDA, or on
+CPU under ``TRITON_INTERPRET=1`` (slow; for tests; the Gluon kernel never)."""
 
 from __future__ import annotations
 
@@ -78,10 +80,13 @@ def uses_tma(plan, k, v, cfg: Config) -> bool:
 
 def uses_gluon(q, cfg: Config, tma: bool) -> bool:
     """Run the warp-specialized Gluon kernel (kernel_gluon.py)? Where K/V go through TMA
-    (``uses_tma``), the config asks for it, the GPU is sm_90 (its MMAs are Hopper's), q is
-    bf16/fp16 with each token's heads side by side and 16-byte aligned (Q comes by TMA too),
-    and this triton has Gluon."""
-    if not (tma and cfg.gluon and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
+    (``uses_tma``), the config asks for it on 128-query tiles, head_dim is 128 (the one it is
+    built and tested for), the GPU is sm_90 (its MMAs are Hopper's), q is bf16/fp16 with each
+    token's heads side by side and 16-byte aligned (Q comes by TMA too), and this triton has
+    Gluon."""
+    if not (tma and cfg.gluon and cfg.block_m == 128 and q.shape[-1] == 128):
+        return False
+    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
         return False
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return False

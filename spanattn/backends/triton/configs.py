@@ -43,6 +43,8 @@ class Config:
 # strides, a sequence shorter than a key tile) the same tiles are read through pointers; three
 # loops on 8 warps also suit paged prefill (S2 over 128-token pages at 1.115x the contiguous
 # time, where 4 warps holding their tiles' addresses spilled and ran 1.51x: paged-prefill v9, v8).
+# ``gluon``: on sm_90 the warp-specialized Gluon kernel replaces these at d128 (S0 496 -> 618
+# TFLOP/s, S1 373 -> 405: bench-h200-s5 vs s6); it keeps 128 x 128 tiles and 3 stages.
 GPU_CONFIGS = {
     16: Config(128, 64, 4, 3, tma=True),
     32: Config(128, 64, 4, 3, tma=True),
