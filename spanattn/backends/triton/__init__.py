@@ -6,6 +6,7 @@ CPU under ``TRITON_INTERPRET=1`` (slow; for tests; the Gluon kernel never)."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
@@ -95,6 +96,7 @@ def uses_gluon(q, cfg: Config, tma: bool) -> bool:
     return q.stride(1) == d and aligned and _gluon_module() is not None
 
 
+@functools.cache
 def _gluon_module():
     try:  # triton.experimental.gluon exists from triton 3.4 on
         return importlib.import_module(__name__ + ".kernel_gluon")
