@@ -1,12 +1,16 @@
 """Compile the prefill kernel for sm_90 on any machine (no GPU needed) and print, per tile
 config, what ptxas reports: registers per thread, spills, shared memory, and whether wgmma
-instructions get serialized (ptxas warning C7515). A cheap first filter before spending device
-time on a config: a config that spills or serializes its MMAs rarely wins the timing.
+instructions get serialized (ptxas C7514/C7515) or waited for (C7517). A cheap first filter
+before spending device time on a config: a config that spills or serializes its MMAs rarely
+wins the timing.
 
     python benchmarks/compile_stats.py --d 128 --configs 128,64,4,2,1,1,1 128,128,8,3,0,1,1
     python benchmarks/compile_stats.py --d 128 --paged 128 --configs 128,64,4,2,1,1,0
+    python benchmarks/compile_stats.py --d 256 --configs 128,64,8,2,1,1,1,1   # the Gluon kernel
 
-A config is BLOCK_M,BLOCK_N,num_warps,num_stages,one_loop,dv_split,tma (configs.Config's order).
+A config is BLOCK_M,BLOCK_N,num_warps,num_stages,one_loop,dv_split,tma,gluon (configs.Config's
+order; trailing fields may be left out). With gluon set, the Gluon kernel (kernel_gluon.py) is
+compiled instead, at BLOCK_N and num_stages (its warps and query rows are fixed).
 Arguments are specialized as in a real launch (16-divisible pointers and strides, bf16, Hq 16 /
 Hkv 8); triton's own ptxas does the assembling. 2026-11-29 on the H200's defaults: d128 4 warps
 255 registers + 116 B spilled, two programs per SM (97 KB shared); d128 8 warps 198-223, no
@@ -26,6 +30,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from spanattn.backends.triton import kernel as tk
+from spanattn.backends.triton import kernel_gluon as kg
 from spanattn.backends.triton.configs import Config
 from spanattn.backends.triton.schedule import INFO
 
@@ -65,7 +70,38 @@ def stats(cfg: Config, d: int, paged: int = 0) -> dict:
     attrs = {(i,): [["tt.divisibility", 16]] for i in runtime}
     src = ASTSource(fn=tk.attn_fwd, signature=sig, constexprs=const, attrs=attrs)
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    return _report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts))
+
+
+def gluon_stats(cfg: Config, d: int) -> dict:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def desc(rows):
+        return (
+            f"tensordesc<bf16[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
+        )
+
+    sig = {}
+    for name, param in inspect.signature(kg.attn_fwd_gluon.fn).parameters.items():
+        if param.annotation is not inspect.Parameter.empty:
+            sig[name] = "constexpr"
+        elif name.endswith("_desc"):
+            sig[name] = desc(kg.ROWS.value if name == "q_desc" else cfg.block_n)
+        else:
+            sig[name] = {"OUT": "*bf16", "LSE": "*fp32", "qk_scale": "fp32", "softcap_log2": "fp32"}.get(
+                name, "i32" if name.startswith("stride_") else "*i32"
+            )
+    const = {
+        "HQ": 16, "GROUP": 2, "HEAD_DIM": d, "BLOCK_N": cfg.block_n, "STAGES": cfg.num_stages,
+        "SOFTCAP": False, "RETURN_LSE": False, "N_INFO": len(INFO), "CONSUMER_REGS": 240,
+        "PRODUCER_REGS": 24,
+    }  # fmt: skip
+    src = GluonASTSource(fn=kg.attn_fwd_gluon, signature=sig, constexprs=const)
+    return _report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}))
+
+
+def _report(kernel) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(kernel.asm["ptx"])
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -75,8 +111,9 @@ def stats(cfg: Config, d: int, paged: int = 0) -> dict:
     info = [line.split("info    : ")[-1].strip() for line in log.stderr.splitlines()]
     return {
         "shared_bytes": kernel.metadata.shared,
-        "ptxas": [x for x in info if ("registers" in x or "spill" in x) and "C7515" not in x],
-        "wgmma_serialized": "C7515" in log.stderr,
+        "ptxas": [x for x in info if ("registers" in x or "spill" in x) and "(C75" not in x],
+        "wgmma_serialized": "are serialized" in log.stderr,
+        "wgmma_wait_injected": "C7517" in log.stderr,
     }
 
 
@@ -84,15 +121,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d", type=int, default=128, help="head_dim")
     ap.add_argument("--paged", type=int, default=0, help="page size (0: packed K/V)")
-    ap.add_argument(
-        "--configs", nargs="+", required=True, help="BLOCK_M,BLOCK_N,warps,stages,one_loop,dv_split,tma"
-    )
+    fields = "BLOCK_M,BLOCK_N,warps,stages,one_loop,dv_split,tma,gluon"
+    ap.add_argument("--configs", nargs="+", required=True, help=fields)
     a = ap.parse_args()
     for text in a.configs:
         v = [int(x) for x in text.split(",")]
         cfg = Config(*v[:4], *(bool(x) if i != 1 else x for i, x in enumerate(v[4:])))
-        r = stats(cfg, a.d, a.paged)
+        r = gluon_stats(cfg, a.d) if cfg.gluon else stats(cfg, a.d, a.paged)
         flag = "  WGMMA SERIALIZED" if r["wgmma_serialized"] else ""
+        flag += "  WGMMA WAIT INJECTED" if r["wgmma_wait_injected"] else ""
         kb = r["shared_bytes"] / 1024
         print(f"d{a.d} {text}: {kb:.0f} KB shared | {' | '.join(r['ptxas'])}{flag}", flush=True)
 
