@@ -10,7 +10,8 @@ wins the timing.
 
 A config is BLOCK_M,BLOCK_N,num_warps,num_stages,one_loop,dv_split,tma,gluon (configs.Config's
 order; trailing fields may be left out). With gluon set, the Gluon kernel (kernel_gluon.py) is
-compiled instead, at BLOCK_N and num_stages (its warps and query rows are fixed).
+compiled instead, at BLOCK_N and num_stages (its warps and query rows are fixed; ptxas reports
+the launch's registers per thread, which its consumer warps raise to 240 with setmaxnreg).
 Arguments are specialized as in a real launch (16-divisible pointers and strides, bf16, Hq 16 /
 Hkv 8); triton's own ptxas does the assembling. 2026-11-29 on the H200's defaults: d128 4 warps
 255 registers + 116 B spilled, two programs per SM (97 KB shared); d128 8 warps 198-223, no
@@ -78,9 +79,8 @@ def gluon_stats(cfg: Config, d: int) -> dict:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc(rows):
-        return (
-            f"tensordesc<bf16[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
-        )
+        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {d}],{layout!r}>"
 
     sig = {}
     for name, param in inspect.signature(kg.attn_fwd_gluon.fn).parameters.items():
