@@ -32,7 +32,7 @@ LAYERS = {
 }
 
 
-def test_chosen_only_for_hopper_tma_steps():
+def test_chosen_only_for_hopper_tma_steps(monkeypatch):
     from spanattn.backends.triton import uses_gluon
     from spanattn.backends.triton.configs import Config
 
@@ -47,6 +47,8 @@ def test_chosen_only_for_hopper_tma_steps():
         assert not uses_gluon(q.float(), cfg, tma=True)
         assert not uses_gluon(q[..., :64].contiguous(), cfg, tma=True)  # head_dim 64
         assert not uses_gluon(q, replace(cfg, block_m=64), tma=True)
+        monkeypatch.setenv("SPANATTN_TRITON_GLUON", "0")
+        assert not uses_gluon(q, cfg, tma=True)
         heads_apart = torch.zeros(4, 4, 128, dtype=torch.bfloat16, device="cuda")[:, ::2]
         assert not uses_gluon(heads_apart, cfg, tma=True)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 
 import torch
 
@@ -15,6 +16,9 @@ from .configs import Config, padded_head_dim, pick
 from .schedule import INFO, tile_schedule
 
 LOG2E = 1.4426950408889634
+# SPANATTN_TRITON_GLUON=0 keeps every step on kernel.py (a check against the Gluon kernel, or a
+# way around it on a toolchain where it misbehaves); read per call, so tests can flip it.
+GLUON_ENV = "SPANATTN_TRITON_GLUON"
 AUTO_NEEDS_CUDA = True  # backend="auto" never picks the interpreter; naming "triton" still can
 
 # Paged prefill over pages smaller than a key tile pays a page lookup and address math per key
@@ -83,9 +87,11 @@ def uses_gluon(q, cfg: Config, tma: bool) -> bool:
     """Run the warp-specialized Gluon kernel (kernel_gluon.py)? Where K/V go through TMA
     (``uses_tma``), the config asks for it on 128-query tiles, head_dim is 128 (the one it is
     built and tested for), the GPU is sm_90 (its MMAs are Hopper's), q is bf16/fp16 with each
-    token's heads side by side and 16-byte aligned (Q comes by TMA too), and this triton has
-    Gluon."""
+    token's heads side by side and 16-byte aligned (Q comes by TMA too), this triton has Gluon,
+    and ``SPANATTN_TRITON_GLUON`` is not ``0``."""
     if not (tma and cfg.gluon and cfg.block_m == 128 and q.shape[-1] == 128):
+        return False
+    if os.environ.get(GLUON_ENV, "1") == "0":
         return False
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
         return False
