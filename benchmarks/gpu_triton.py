@@ -20,6 +20,7 @@ import json
 import math
 import random
 import time
+from dataclasses import replace
 
 import torch
 from triton.testing import do_bench
@@ -88,6 +89,17 @@ def part_check(res, dims=(64, 96, 128, 256, 512)):
                 mixed, layers[lname], torch.bfloat16, d, 8, 4, config=tcfg.Config(128, 64, 8, 2, True)
             )
             rows.append({"dtype": "bf16", "d": d, "hq": 8, "hkv": 4, "layer": lname + "+one_loop", **r})
+    # The step above holds a one-key sequence, so it runs the pointer-load kernel everywhere;
+    # without it every sequence fills a key tile and the TMA kernels run (Gluon at d128 on sm_90).
+    long = sa.Batch([s for s in mixed.seqs if s.kv_len >= 128])
+    variants = [(d, "+tma", None) for d in (128, 256, 512) if d in dims]
+    if 128 in dims:  # the triton kernel where the Gluon one would run
+        plain = replace(tcfg.pick(128, torch.bfloat16, False), gluon=False)
+        variants.append((128, "+tma+triton_kernel", plain))
+    for d, suffix, config in variants:
+        for lname, layer in layers.items():
+            r = check_one(long, layer, torch.bfloat16, d, 8, 4, config=config)
+            rows.append({"dtype": "bf16", "d": d, "hq": 8, "hkv": 4, "layer": lname + suffix, **r})
     if 512 in dims:  # split output columns, whatever the sweep picked
         for lname in ("causal", "W37_clamp"):
             cfg = tcfg.Config(128, 16, 8, 3, True, 2)
