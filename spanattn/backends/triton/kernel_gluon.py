@@ -164,86 +164,28 @@ def attn_fwd_gluon(
     producer = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row0, head,
                 num_tiles, kv_start, tma_row0, tma_last, (head // GROUP) * HEAD_DIM, HEAD_DIM,
                 BLOCK_N, STAGES)  # fmt: skip
+    # The consumers' arguments are written out for each: in Gluon's frontend (triton 3.6) a tuple
+    # built by concatenation loses its constexprs, and ``*`` unpacking is not supported.
+    # fmt: off
     gl.warp_specialize(
-        [
-            (
-                _consume,
-                (
-                    0,
-                    q_smem,
-                    k_smem,
-                    v_smem,
-                    q_bar,
-                    ready,
-                    empty,
-                    OUT,
-                    LSE,
-                    LO,
-                    HI,
-                    q_row0,
-                    q_row_last,
-                    head,
-                    num_tiles,
-                    kv_start,
-                    full_start,
-                    full_end,
-                    tma_last,
-                    qk_scale,
-                    softcap_log2,
-                    stride_ot,
-                    stride_oh,
-                    HQ,
-                    HEAD_DIM,
-                    BLOCK_N,
-                    STAGES,
-                    SOFTCAP,
-                    RETURN_LSE,
-                ),
-            ),
-            (
-                _consume,
-                (
-                    1,
-                    q_smem,
-                    k_smem,
-                    v_smem,
-                    q_bar,
-                    ready,
-                    empty,
-                    OUT,
-                    LSE,
-                    LO,
-                    HI,
-                    q_row0,
-                    q_row_last,
-                    head,
-                    num_tiles,
-                    kv_start,
-                    full_start,
-                    full_end,
-                    tma_last,
-                    qk_scale,
-                    softcap_log2,
-                    stride_ot,
-                    stride_oh,
-                    HQ,
-                    HEAD_DIM,
-                    BLOCK_N,
-                    STAGES,
-                    SOFTCAP,
-                    RETURN_LSE,
-                ),
-            ),
-            (_produce, producer),
-        ],  # fmt: skip
+        [(_consume, (0, q_smem, k_smem, v_smem, q_bar, ready, empty, OUT, LSE, LO, HI, q_row0,
+                     q_row_last, head, num_tiles, kv_start, full_start, full_end, tma_last, qk_scale,
+                     softcap_log2, stride_ot, stride_oh, HQ, HEAD_DIM, BLOCK_N, STAGES, SOFTCAP,
+                     RETURN_LSE)),
+         (_consume, (1, q_smem, k_smem, v_smem, q_bar, ready, empty, OUT, LSE, LO, HI, q_row0,
+                     q_row_last, head, num_tiles, kv_start, full_start, full_end, tma_last, qk_scale,
+                     softcap_log2, stride_ot, stride_oh, HQ, HEAD_DIM, BLOCK_N, STAGES, SOFTCAP,
+                     RETURN_LSE)),
+         (_produce, producer)],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
     )
+    # fmt: on
 
 
 def forward_gluon(q, k, v, plan, sched, out, lse, qk_scale: float, softcap_log2: float,
                   softcap: bool, stages: int) -> None:  # fmt: skip
-    """Launch over packed ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]`` (see ``usable``)
+    """Launch over packed ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]`` (see ``uses_gluon``)
     with the step's tile schedule of ``2 * ROWS``-query tiles."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
