@@ -7,6 +7,7 @@ wins the timing.
     python benchmarks/compile_stats.py --d 128 --configs 128,64,4,2,1,1,1 128,128,8,3,0,1,1
     python benchmarks/compile_stats.py --d 128 --paged 128 --configs 128,64,4,2,1,1,0
     python benchmarks/compile_stats.py --d 256 --configs 128,64,8,2,1,1,1,1   # the Gluon kernel
+    python benchmarks/compile_stats.py --shipped   # every config configs.pick hands out, as JSON
 
 A config is BLOCK_M,BLOCK_N,num_warps,num_stages,one_loop,dv_split,tma,gluon (configs.Config's
 order; trailing fields may be left out). With gluon set, the Gluon kernel (kernel_gluon.py) is
@@ -22,17 +23,20 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import os
 import subprocess
 import tempfile
+from dataclasses import asdict, replace
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from spanattn.backends.triton import kernel as tk
 from spanattn.backends.triton import kernel_gluon as kg
-from spanattn.backends.triton.configs import Config
+from spanattn.backends.triton.configs import Config, pick
 from spanattn.backends.triton.schedule import INFO
 
 FP_ARGS = ("Q", "K", "V", "K_DESC", "V_DESC", "OUT", "LSE")
@@ -117,13 +121,36 @@ def _report(kernel) -> dict:
     }
 
 
+def shipped() -> list[tuple[int, Config, int]]:
+    """(head_dim, config, page size) of every kernel variant configs.pick hands out for bf16 on a
+    Hopper GPU: each head_dim's global and short-window configs on packed K/V (TMA; the Gluon
+    kernel where the config asks for it), and their pointer-load forms over 16-token pages."""
+    out = []
+    for d in (64, 128, 256, 512):
+        kinds = {pick(d, torch.bfloat16, False), pick(d, torch.bfloat16, False, window=1024)}
+        for cfg in sorted(kinds, key=repr):
+            out.append((d, cfg, 0))
+            if cfg.gluon:  # the triton kernel still runs these steps elsewhere (see uses_gluon)
+                out.append((d, replace(cfg, gluon=False), 0))
+            out.append((d, replace(cfg, tma=False, gluon=False), 16))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d", type=int, default=128, help="head_dim")
     ap.add_argument("--paged", type=int, default=0, help="page size (0: packed K/V)")
     fields = "BLOCK_M,BLOCK_N,warps,stages,one_loop,dv_split,tma,gluon"
-    ap.add_argument("--configs", nargs="+", required=True, help=fields)
+    ap.add_argument("--configs", nargs="+", help=fields)
+    ap.add_argument("--shipped", action="store_true", help="every shipped config, one JSON line each")
     a = ap.parse_args()
+    if a.shipped:
+        for d, cfg, page in shipped():
+            r = gluon_stats(cfg, d) if cfg.gluon else stats(cfg, d, page)
+            print(json.dumps({"d": d, "config": asdict(cfg), "page": page, **r}), flush=True)
+        return
+    if not a.configs:
+        ap.error("--configs or --shipped")
     for text in a.configs:
         v = [int(x) for x in text.split(",")]
         cfg = Config(*v[:4], *(bool(x) if i != 1 else x for i, x in enumerate(v[4:])))

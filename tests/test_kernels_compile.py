@@ -1,0 +1,40 @@
+"""Every prefill kernel variant that configs.pick hands out compiles for sm_90 (H100/H200) on
+any machine, with triton's own ptxas, fits the shared memory one block may use there and keeps
+its wgmma asynchronous (no serialization, no waits ptxas had to inject). So a kernel edit made
+without a GPU is still held to what the GPU needs. benchmarks/compile_stats.py runs in a
+subprocess: the interpreter the other tests run under cannot compile for a GPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[1]
+SMEM_PER_BLOCK = 232448  # bytes of shared memory one block may use on sm_90
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+@pytest.fixture(scope="module")
+def reports():
+    if not PTXAS.exists():
+        pytest.skip("this triton ships no ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    script = ROOT / "benchmarks" / "compile_stats.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "--shipped"], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
+def test_every_shipped_variant_compiles_for_hopper(reports):
+    assert {r["d"] for r in reports} == {64, 128, 256, 512}
+    assert any(r["config"]["gluon"] for r in reports) and any(r["page"] for r in reports)
+    for r in reports:
+        assert r["shared_bytes"] <= SMEM_PER_BLOCK, r
+        assert not r["wgmma_serialized"] and not r["wgmma_wait_injected"], r
