@@ -105,10 +105,18 @@ def gluon_stats(cfg: Config, d: int) -> dict:
     return _report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}))
 
 
+def ptxas_path() -> str:
+    """The ptxas triton itself uses for sm_90 (its own binary, or a newer one later versions
+    pick or TRITON_PTXAS_PATH names)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return get_ptxas(90).path
+
+
 def _report(kernel) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(kernel.asm["ptx"])
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    ptxas = ptxas_path()
     cmd = [ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull]
     log = subprocess.run(cmd, capture_output=True, text=True)
     os.unlink(f.name)

@@ -17,7 +17,8 @@ from .schedule import INFO, tile_schedule
 
 LOG2E = 1.4426950408889634
 # SPANATTN_TRITON_GLUON=0 keeps every step on kernel.py (a check against the Gluon kernel, or a
-# way around it on a toolchain where it misbehaves); read per call, so tests can flip it.
+# way around it on a toolchain where it misbehaves); =1 runs the Gluon kernel also on triton
+# versions it was not checked on (kernel_gluon.CHECKED_TRITON). Read per call.
 GLUON_ENV = "SPANATTN_TRITON_GLUON"
 AUTO_NEEDS_CUDA = True  # backend="auto" never picks the interpreter; naming "triton" still can
 
@@ -87,11 +88,10 @@ def uses_gluon(q, cfg: Config, tma: bool) -> bool:
     """Run the warp-specialized Gluon kernel (kernel_gluon.py)? Where K/V go through TMA
     (``uses_tma``), the config asks for it on 128-query tiles, head_dim is 128 (the one it is
     built and tested for), the GPU is sm_90 (its MMAs are Hopper's), q is bf16/fp16 with each
-    token's heads side by side and 16-byte aligned (Q comes by TMA too), this triton has Gluon,
-    and ``SPANATTN_TRITON_GLUON`` is not ``0``."""
-    if not (tma and cfg.gluon and cfg.block_m == 128 and q.shape[-1] == 128):
-        return False
-    if os.environ.get(GLUON_ENV, "1") == "0":
+    token's heads side by side and 16-byte aligned (Q comes by TMA too), and this triton has
+    Gluon and is one the kernel was checked on (or ``SPANATTN_TRITON_GLUON=1``; ``=0``: never)."""
+    setting = os.environ.get(GLUON_ENV, "")
+    if setting == "0" or not (tma and cfg.gluon and cfg.block_m == 128 and q.shape[-1] == 128):
         return False
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
         return False
@@ -99,7 +99,11 @@ def uses_gluon(q, cfg: Config, tma: bool) -> bool:
         return False
     d = q.shape[-1]
     aligned = q.data_ptr() % 16 == 0 and all(s * q.element_size() % 16 == 0 for s in q.stride()[:-1])
-    return q.stride(1) == d and aligned and _gluon_module() is not None
+    if q.stride(1) != d or not aligned or _gluon_module() is None:
+        return False
+    import triton
+
+    return setting == "1" or triton.__version__.startswith(_gluon_module().CHECKED_TRITON)
 
 
 @functools.cache

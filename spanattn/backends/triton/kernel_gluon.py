@@ -18,6 +18,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
+# Triton versions this kernel was checked on, on an H200. Gluon is experimental and changes
+# between releases (triton 3.9 renamed the TMA copy); it compiles for sm_90 on 3.9 as well
+# (tests/test_kernels_compile.py), but runs there only when asked (SPANATTN_TRITON_GLUON=1).
+CHECKED_TRITON = ("3.6.",)
+# TMA's global-to-shared copy: ``async_copy_global_to_shared`` in triton 3.6, ``async_load`` later.
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @gluon.jit
@@ -28,15 +34,15 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty
     the tile that held it before. The tile across the sequence end is read shifted back to end
     with the sequence; Q rows past it read the next rows (never stored)."""
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row0, head * HEAD_DIM], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [q_row0 + ROWS, head * HEAD_DIM], q_bar, q_smem.index(1))
+    tma_load(q_desc, [q_row0, head * HEAD_DIM], q_bar, q_smem.index(0))
+    tma_load(q_desc, [q_row0 + ROWS, head * HEAD_DIM], q_bar, q_smem.index(1))
     for t in range(num_tiles):
         slot = t % STAGES
         mbarrier.wait(empty.index(slot), (t // STAGES - 1) & 1, pred=t >= STAGES)
         row = tma_row0 + gl.minimum(kv_start + t * BLOCK_N, tma_last)
         mbarrier.expect(ready.index(slot), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, col], ready.index(slot), k_smem.index(slot))
-        tma.async_copy_global_to_shared(v_desc, [row, col], ready.index(slot), v_smem.index(slot))
+        tma_load(k_desc, [row, col], ready.index(slot), k_smem.index(slot))
+        tma_load(v_desc, [row, col], ready.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
