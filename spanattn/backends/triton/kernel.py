@@ -27,6 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .columns import FULL_END, FULL_START, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST, SEQ
 from .rows import kv_rows, tile_pages
 
 INTERPRETED = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else False
@@ -263,11 +264,11 @@ def attn_fwd(
 
     # One round of independent scalar loads (schedule.INFO), then K/V, Q and intervals together.
     info = TILE_INFO + tile * N_INFO
-    q_row0 = tl.load(info + 0)
-    q_row_last = tl.load(info + 1)
-    k_row0 = tl.load(info + 2).to(tl.int64)
-    kv_len = tl.load(info + 3)
-    seq = tl.load(info + 4)
+    q_row0 = tl.load(info + Q_ROW0)
+    q_row_last = tl.load(info + Q_ROW_LAST)
+    k_row0 = tl.load(info + K_ROW0).to(tl.int64)
+    kv_len = tl.load(info + KV_LEN)
+    seq = tl.load(info + SEQ)
     BT = BLOCK_TABLE + seq.to(tl.int64) * stride_bt  # this sequence's pages (read only if PAGED)
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -284,10 +285,10 @@ def attn_fwd(
     # multiples (full_start = kv_end only leaves the loops after it empty). A paged tile then
     # lies in one page whenever BLOCK_N divides PAGE_SIZE (rows.tile_pages relies on this).
     if TMA:  # from the schedule: the first K/V tiles load without waiting for lo/hi
-        kv_start = tl.load(info + 5)
-        kv_end = tl.load(info + 6)
-        full_start = tl.load(info + 7)
-        full_end = tl.load(info + 8)
+        kv_start = tl.load(info + KV_START)
+        kv_end = tl.load(info + KV_END)
+        full_start = tl.load(info + FULL_START)
+        full_end = tl.load(info + FULL_END)
     else:  # the same from lo/hi: pointer walks spill at d256 with them loaded (compile_stats)
         kv_end = tl.max(hi) + 1
         kv_start = (tl.min(lo) // BLOCK_N) * BLOCK_N

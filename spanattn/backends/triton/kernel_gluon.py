@@ -17,6 +17,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .columns import FULL_END, FULL_START, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST
+
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
 # Triton versions this kernel was checked on, on an H200. Gluon is experimental and changes
 # between releases (triton 3.9 renamed the TMA copy); it compiles for sm_90 on 3.9 as well
@@ -143,15 +145,15 @@ def attn_fwd_gluon(
     pid = gl.program_id(0)
     tile = pid // HQ
     head = pid % HQ
-    info = TILE_INFO + tile * N_INFO  # schedule.INFO's columns
-    q_row0 = gl.load(info + 0)
-    q_row_last = gl.load(info + 1)
-    tma_row0 = gl.load(info + 2)
-    kv_len = gl.load(info + 3)
-    kv_start = gl.load(info + 5)
-    kv_end = gl.load(info + 6)
-    full_start = gl.load(info + 7)
-    full_end = gl.load(info + 8)
+    info = TILE_INFO + tile * N_INFO
+    q_row0 = gl.load(info + Q_ROW0)
+    q_row_last = gl.load(info + Q_ROW_LAST)
+    tma_row0 = gl.load(info + K_ROW0)
+    kv_len = gl.load(info + KV_LEN)
+    kv_start = gl.load(info + KV_START)
+    kv_end = gl.load(info + KV_END)
+    full_start = gl.load(info + FULL_START)
+    full_end = gl.load(info + FULL_END)
     tma_last = kv_len - BLOCK_N
     num_tiles = (kv_end - kv_start + BLOCK_N - 1) // BLOCK_N
 

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .columns import FULL_END, FULL_START, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST, SEQ
 from .schedule import INFO, TileSchedule, ordered, tile_starts
 
 
@@ -32,16 +33,16 @@ def _tile_info_kernel(
     hi_max = tl.max(tl.where(valid, hi, -1))
     kv_end = hi_max + 1
     full_start = tl.minimum((lo_max + BLOCK_N - 1) // BLOCK_N * BLOCK_N, kv_end)
-    out = info_ptr + t * N_INFO  # columns in schedule.INFO's order
-    tl.store(out + 0, q_row0)
-    tl.store(out + 1, q_row_last)
-    tl.store(out + 2, k_row0)
-    tl.store(out + 3, tl.load(cu_k_ptr + seq + 1) - k_row0)
-    tl.store(out + 4, seq)
-    tl.store(out + 5, lo_min // BLOCK_N * BLOCK_N)
-    tl.store(out + 6, kv_end)
-    tl.store(out + 7, full_start)
-    tl.store(out + 8, tl.maximum((hi_min + 1) // BLOCK_N * BLOCK_N, full_start))
+    out = info_ptr + t * N_INFO
+    tl.store(out + Q_ROW0, q_row0)
+    tl.store(out + Q_ROW_LAST, q_row_last)
+    tl.store(out + K_ROW0, k_row0)
+    tl.store(out + KV_LEN, tl.load(cu_k_ptr + seq + 1) - k_row0)
+    tl.store(out + SEQ, seq)
+    tl.store(out + KV_START, lo_min // BLOCK_N * BLOCK_N)
+    tl.store(out + KV_END, kv_end)
+    tl.store(out + FULL_START, full_start)
+    tl.store(out + FULL_END, tl.maximum((hi_min + 1) // BLOCK_N * BLOCK_N, full_start))
     tl.store(cost_ptr + t, hi_max - lo_min + 1)
 
 
