@@ -63,6 +63,13 @@ def _copy_pages(plan, k, v, block_table, page_size: int):
     return bk, bv
 
 
+def _tma_readable(t) -> bool:
+    """Can TMA read ``t [tokens, heads, D]`` as a ``[tokens, heads * D]`` matrix? Each token's
+    heads side by side, 16-byte aligned base and row strides."""
+    aligned = t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+    return t.stride(1) == t.shape[-1] and aligned
+
+
 def uses_tma(plan, k, v, cfg: Config) -> bool:
     """Read packed K/V tiles through TMA? Needs a config that asks for it, sm_90+ (or the
     interpreter, for tests), 16-byte aligned bases and row strides, each token's heads side by
@@ -75,12 +82,8 @@ def uses_tma(plan, k, v, cfg: Config) -> bool:
     return (
         padded_head_dim(d) == d
         and min(s.kv_len for s in plan.batch.seqs) >= cfg.block_n
-        and all(
-            t.stride(1) == d
-            and t.data_ptr() % 16 == 0
-            and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-            for t in (k, v)
-        )
+        and _tma_readable(k)
+        and _tma_readable(v)
     )
 
 
@@ -95,15 +98,10 @@ def uses_gluon(q, cfg: Config, tma: bool) -> bool:
         return False
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if torch.cuda.get_device_capability(q.device) != (9, 0) or not _tma_readable(q):
         return False
-    d = q.shape[-1]
-    aligned = q.data_ptr() % 16 == 0 and all(s * q.element_size() % 16 == 0 for s in q.stride()[:-1])
-    if q.stride(1) != d or not aligned or _gluon_module() is None:
-        return False
-    import triton
-
-    return setting == "1" or triton.__version__.startswith(_gluon_module().CHECKED_TRITON)
+    gluon = _gluon_module()
+    return gluon is not None and (setting == "1" or gluon.checked_triton())
 
 
 @functools.cache

@@ -8,6 +8,8 @@ its ``empty`` barrier, so one consumer's softmax overlaps the other's MMAs as we
 
 from __future__ import annotations
 
+import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -24,6 +26,13 @@ ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
 # between releases (triton 3.9 renamed the TMA copy); it compiles for sm_90 on 3.9 as well
 # (tests/test_kernels_compile.py), but runs there only when asked (SPANATTN_TRITON_GLUON=1).
 CHECKED_TRITON = ("3.6.",)
+
+
+def checked_triton() -> bool:
+    """Is the installed triton one this kernel was checked on?"""
+    return triton.__version__.startswith(CHECKED_TRITON)
+
+
 # TMA's global-to-shared copy: ``async_copy_global_to_shared`` in triton 3.6, ``async_load`` later.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
@@ -195,7 +204,6 @@ def forward_gluon(q, k, v, plan, sched, out, lse, qk_scale: float, softcap_log2:
                   softcap: bool, stages: int) -> None:  # fmt: skip
     """Launch over packed ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]`` (see ``uses_gluon``)
     with the step's tile schedule of ``2 * ROWS``-query tiles."""
-    import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .schedule import INFO
