@@ -49,10 +49,14 @@ DEV = "cuda"
 TABLES = {"global": ("GPU_CONFIGS", ("S0", "S2", "S4")), "window": ("WINDOW_CONFIGS", ("S1",)),
           "d512": ("GPU_CONFIGS", ("S5",))}  # fmt: skip
 CANDIDATES = {
-    (128, "global"): [(128, 128, 8, 3, False, 1, True, True), (128, 128, 8, 3, False, 1, True)],
+    (128, "global"): [
+        (128, 128, 8, 3, False, 1, True, True),
+        (128, 128, 8, 2, False, 1, True, True),
+        (128, 128, 8, 3, False, 1, True),
+    ],
     (128, "window"): [(128, 128, 8, 3, True, 1, True, True), (128, 128, 8, 3, True, 1, True)],
-    (256, "global"): [(128, 64, 8, 2, True, 1, True), (128, 64, 8, 2, False, 1, True)],
-    (256, "window"): [(128, 64, 8, 2, True, 1, True)],
+    (256, "global"): [(128, 64, 8, 2, True, 1, True, True), (128, 64, 8, 2, True, 1, True)],
+    (256, "window"): [(128, 64, 8, 2, True, 1, True, True), (128, 64, 8, 2, True, 1, True)],
     (512, "d512"): [(128, 32, 8, 2, True, 2, True)],
 }
 
@@ -90,12 +94,13 @@ def part_check(res, dims=(64, 96, 128, 256, 512)):
             )
             rows.append({"dtype": "bf16", "d": d, "hq": 8, "hkv": 4, "layer": lname + "+one_loop", **r})
     # The step above holds a one-key sequence, so it runs the pointer-load kernel everywhere;
-    # without it every sequence fills a key tile and the TMA kernels run (Gluon at d128 on sm_90).
+    # without it every sequence fills a key tile and the TMA kernels run (Gluon at d128/d256 on
+    # sm_90).
     long = sa.Batch([s for s in mixed.seqs if s.kv_len >= 128])
     variants = [(d, "+tma", None) for d in (128, 256, 512) if d in dims]
-    if 128 in dims:  # the triton kernel where the Gluon one would run
-        plain = replace(tcfg.pick(128, torch.bfloat16, False), gluon=False)
-        variants.append((128, "+tma+triton_kernel", plain))
+    for d in [d for d in (128, 256) if d in dims]:  # the triton kernel where the Gluon one would run
+        plain = replace(tcfg.pick(d, torch.bfloat16, False), gluon=False)
+        variants.append((d, "+tma+triton_kernel", plain))
     for d, suffix, config in variants:
         for lname, layer in layers.items():
             r = check_one(long, layer, torch.bfloat16, d, 8, 4, config=config)

@@ -94,7 +94,7 @@ def uses_gluon(q, cfg: Config, tma: bool) -> bool:
     token's heads side by side and 16-byte aligned (Q comes by TMA too), and this triton has
     Gluon and is one the kernel was checked on (or ``SPANATTN_TRITON_GLUON=1``; ``=0``: never)."""
     setting = os.environ.get(GLUON_ENV, "")
-    if setting == "0" or not (tma and cfg.gluon and cfg.block_m == 128 and q.shape[-1] == 128):
+    if setting == "0" or not (tma and cfg.gluon and cfg.block_m == 128 and q.shape[-1] in (128, 256)):
         return False
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
         return False

@@ -44,13 +44,14 @@ class Config:
 # loops on 8 warps also suit paged prefill (S2 over 128-token pages at 1.115x the contiguous
 # time, where 4 warps holding their tiles' addresses spilled and ran 1.51x: paged-prefill v9, v8).
 # ``gluon``: on sm_90 the warp-specialized Gluon kernel replaces these at d128 (S0 496 -> 618
-# TFLOP/s, S1 373 -> 405: bench-h200-s5 vs s6); it keeps 128 x 128 tiles and 3 stages.
+# TFLOP/s, S1 373 -> 405: bench-h200-s5 vs s6); it keeps 128 x 128 tiles and 3 stages. At d256
+# it runs 128 x 64 tiles in 2 stages (192 KB; 3 stages would need 256 KB).
 GPU_CONFIGS = {
     16: Config(128, 64, 4, 3, tma=True),
     32: Config(128, 64, 4, 3, tma=True),
     64: Config(128, 64, 4, 3, tma=True),
     128: Config(128, 128, 8, 3, tma=True, gluon=True),
-    256: Config(128, 64, 8, 2, one_loop=True, tma=True),
+    256: Config(128, 64, 8, 2, one_loop=True, tma=True, gluon=True),
     512: Config(128, 32, 8, 2, one_loop=True, dv_split=2, tma=True),
 }
 
@@ -59,7 +60,7 @@ GPU_CONFIGS = {
 WINDOW_MAX = 4096
 WINDOW_CONFIGS = {
     128: Config(128, 128, 8, 3, one_loop=True, tma=True, gluon=True),
-    256: Config(128, 64, 8, 2, one_loop=True, tma=True),
+    256: Config(128, 64, 8, 2, one_loop=True, tma=True, gluon=True),
 }
 
 # Small tiles for TRITON_INTERPRET=1 (CPU tests): cheap per step and many tile edges to cross.

@@ -1,9 +1,11 @@
 """The prefill kernel in Gluon (Triton's explicit-layout dialect) for Hopper: the same tiles,
 schedule and interval masks as kernel.py, laid out as FlashAttention-3 does it: a one-warp
-producer streams K/V tiles by TMA into a ring of ``STAGES`` shared-memory slots, and two
+producer streams K and V tiles by TMA into two rings of ``STAGES`` shared-memory slots, and two
 4-warp consumers (64 query rows each) run their softmax of a tile while the tensor cores do the
 previous tile's P @ V. No barrier couples the two consumers: each releases a slot by arriving on
-its ``empty`` barrier, so one consumer's softmax overlaps the other's MMAs as well.
+its ``empty`` barrier, so one consumer's softmax overlaps the other's MMAs as well. K and V
+slots are released apart: a K slot as soon as its scores are computed, a V slot after the
+deferred P @ V, so that two stages keep the next tile's loads ahead of the MMAs.
 """
 
 from __future__ import annotations
@@ -38,28 +40,31 @@ tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @gluon.jit
-def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row0, head,
-             num_tiles, kv_start, tma_row0, tma_last, col, HEAD_DIM: gl.constexpr,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """Q once, then K/V tile ``t`` into slot ``t % STAGES`` as soon as both consumers released
-    the tile that held it before. The tile across the sequence end is read shifted back to end
-    with the sequence; Q rows past it read the next rows (never stored)."""
+def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+             v_empty, q_row0, head, num_tiles, kv_start, tma_row0, tma_last, col,
+             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Q once, then K (V) tile ``t`` into K (V) slot ``t % STAGES`` as soon as both consumers
+    released the tile that held it before. The tile across the sequence end is read shifted back
+    to end with the sequence; Q rows past it read the next rows (never stored)."""
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma_load(q_desc, [q_row0, head * HEAD_DIM], q_bar, q_smem.index(0))
     tma_load(q_desc, [q_row0 + ROWS, head * HEAD_DIM], q_bar, q_smem.index(1))
     for t in range(num_tiles):
         slot = t % STAGES
-        mbarrier.wait(empty.index(slot), (t // STAGES - 1) & 1, pred=t >= STAGES)
+        reuse = (t // STAGES - 1) & 1
         row = tma_row0 + gl.minimum(kv_start + t * BLOCK_N, tma_last)
-        mbarrier.expect(ready.index(slot), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma_load(k_desc, [row, col], ready.index(slot), k_smem.index(slot))
-        tma_load(v_desc, [row, col], ready.index(slot), v_smem.index(slot))
+        mbarrier.wait(k_empty.index(slot), reuse, pred=t >= STAGES)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma_load(k_desc, [row, col], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), reuse, pred=t >= STAGES)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma_load(v_desc, [row, col], v_ready.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
-def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, ready, empty, OUT, LSE, LO, HI,
-             q_row0, q_row_last, head, num_tiles, kv_start, full_start, full_end, tma_last,
-             qk_scale, softcap_log2, stride_ot, stride_oh, HQ: gl.constexpr,
+def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+             v_empty, OUT, LSE, LO, HI, q_row0, q_row_last, head, num_tiles, kv_start, full_start,
+             full_end, tma_last, qk_scale, softcap_log2, stride_ot, stride_oh, HQ: gl.constexpr,
              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr):  # fmt: skip
     """Query rows ``PART * 64 ...`` of the tile: the online softmax in the log2 domain (as in
@@ -98,11 +103,13 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, ready, empty, OU
         n = kv_start + t * BLOCK_N
         # Rescaled before any MMA is in flight: ptxas would wait for them before reading acc.
         acc = acc * gl.expand_dims(alpha, 1)
-        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+        mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
         s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         # The previous tile's P @ V (at the first tile p = 0 against its own values).
+        mbarrier.wait(v_ready.index(prev), (gl.maximum(t - 1, 0) // STAGES) & 1)
         acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+        mbarrier.arrive(k_empty.index(slot))
 
         if SOFTCAP:  # c * tanh(score * scale / c), in log2 units (see kernel._softmax)
             s = (1.0 - 2.0 / (gl.exp2(s * (qk_scale * 2.8853900817779268)) + 1.0)) * softcap_log2
@@ -124,11 +131,13 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, ready, empty, OU
         p = gl.convert_layout(p_f.to(dtype), p_layout)
 
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        # The previous tile's keys and values are read: hand its slot back to the producer.
-        mbarrier.arrive(empty.index(prev), pred=t > 0)
+        # The previous tile's values are read: hand its slot back to the producer.
+        mbarrier.arrive(v_empty.index(prev), pred=t > 0)
 
     acc = acc * gl.expand_dims(alpha, 1)
-    acc = warpgroup_mma(p, v_smem.index((num_tiles - 1) % STAGES), acc, is_async=True)
+    last = num_tiles - 1
+    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+    acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
 
     # Every row allows k = q, so l_i > 0 for stored rows.
@@ -171,28 +180,32 @@ def attn_fwd_gluon(
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
+        mbarrier.init(v_empty.index(i), count=2)
 
-    producer = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row0, head,
-                num_tiles, kv_start, tma_row0, tma_last, (head // GROUP) * HEAD_DIM, HEAD_DIM,
-                BLOCK_N, STAGES)  # fmt: skip
+    producer = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+                v_empty, q_row0, head, num_tiles, kv_start, tma_row0, tma_last,
+                (head // GROUP) * HEAD_DIM, HEAD_DIM, BLOCK_N, STAGES)  # fmt: skip
     # The consumers' arguments are written out for each: in Gluon's frontend (triton 3.6) a tuple
     # built by concatenation loses its constexprs, and ``*`` unpacking is not supported.
     # fmt: off
     gl.warp_specialize(
-        [(_consume, (0, q_smem, k_smem, v_smem, q_bar, ready, empty, OUT, LSE, LO, HI, q_row0,
-                     q_row_last, head, num_tiles, kv_start, full_start, full_end, tma_last, qk_scale,
-                     softcap_log2, stride_ot, stride_oh, HQ, HEAD_DIM, BLOCK_N, STAGES, SOFTCAP,
-                     RETURN_LSE)),
-         (_consume, (1, q_smem, k_smem, v_smem, q_bar, ready, empty, OUT, LSE, LO, HI, q_row0,
-                     q_row_last, head, num_tiles, kv_start, full_start, full_end, tma_last, qk_scale,
-                     softcap_log2, stride_ot, stride_oh, HQ, HEAD_DIM, BLOCK_N, STAGES, SOFTCAP,
-                     RETURN_LSE)),
+        [(_consume, (0, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, OUT, LSE,
+                     LO, HI, q_row0, q_row_last, head, num_tiles, kv_start, full_start, full_end,
+                     tma_last, qk_scale, softcap_log2, stride_ot, stride_oh, HQ, HEAD_DIM, BLOCK_N,
+                     STAGES, SOFTCAP, RETURN_LSE)),
+         (_consume, (1, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, OUT, LSE,
+                     LO, HI, q_row0, q_row_last, head, num_tiles, kv_start, full_start, full_end,
+                     tma_last, qk_scale, softcap_log2, stride_ot, stride_oh, HQ, HEAD_DIM, BLOCK_N,
+                     STAGES, SOFTCAP, RETURN_LSE)),
          (_produce, producer)],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
