@@ -6,13 +6,14 @@ wins the timing.
 
     python benchmarks/compile_stats.py --d 128 --configs 128,64,4,2,1,1,1 128,128,8,3,0,1,1
     python benchmarks/compile_stats.py --d 128 --paged 128 --configs 128,64,4,2,1,1,0
-    python benchmarks/compile_stats.py --d 256 --configs 128,64,8,2,1,1,1,1   # the Gluon kernel
+    python benchmarks/compile_stats.py --d 256 --configs 128,64,8,2,1,1,1,1   # a Gluon kernel
     python benchmarks/compile_stats.py --shipped   # every config configs.pick hands out, as JSON
 
 A config is BLOCK_M,BLOCK_N,num_warps,num_stages,one_loop,dv_split,tma,gluon (configs.Config's
-order; trailing fields may be left out). With gluon set, the Gluon kernel (kernel_gluon.py) is
-compiled instead, at BLOCK_N and num_stages (its warps and query rows are fixed; ptxas reports
-the launch's registers per thread, which its consumer warps raise to 240 with setmaxnreg).
+order; trailing fields may be left out). With gluon set, the Gluon kernel for head_dim and
+BLOCK_M (the triton backend's GLUON_KERNELS) is compiled instead, at BLOCK_N and num_stages (its
+warps are fixed; ptxas reports the launch's registers per thread, which its consumer warps raise
+to 240 with setmaxnreg).
 Arguments are specialized as in a real launch (16-divisible pointers and strides, bf16, Hq 16 /
 Hkv 8); triton's own ptxas does the assembling. 2026-11-29 on the H200's defaults: d128 4 warps
 255 registers + 116 B spilled, two programs per SM (97 KB shared); d128 8 warps 198-223, no
@@ -34,9 +35,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from spanattn.backends.triton import GLUON_KERNELS
 from spanattn.backends.triton import kernel as tk
-from spanattn.backends.triton import kernel_gluon as kg
-from spanattn.backends.triton.configs import Config, pick
+from spanattn.backends.triton.configs import Config, pick, pick_gluon
 from spanattn.backends.triton.schedule import INFO
 
 FP_ARGS = ("Q", "K", "V", "K_DESC", "V_DESC", "OUT", "LSE")
@@ -79,19 +80,25 @@ def stats(cfg: Config, d: int, paged: int = 0) -> dict:
 
 
 def gluon_stats(cfg: Config, d: int) -> dict:
+    import importlib
+
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    module = importlib.import_module("spanattn.backends.triton." + GLUON_KERNELS[(d, cfg.block_m)])
+    kernel = next(v for k, v in vars(module).items() if k.startswith("attn_fwd_gluon"))
+    width = d // 2 if "split" in module.__name__ else d  # boxes of half the head_dim
+
     def desc(rows):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)
-        return f"tensordesc<bf16[{rows}, {d}],{layout!r}>"
+        layout = gl.NVMMASharedLayout.get_default_for([rows, width], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {width}],{layout!r}>"
 
     sig = {}
-    for name, param in inspect.signature(kg.attn_fwd_gluon.fn).parameters.items():
+    for name, param in inspect.signature(kernel.fn).parameters.items():
         if param.annotation is not inspect.Parameter.empty:
             sig[name] = "constexpr"
         elif name.endswith("_desc"):
-            sig[name] = desc(kg.ROWS.value if name == "q_desc" else cfg.block_n)
+            sig[name] = desc(module.ROWS.value if name == "q_desc" else cfg.block_n)
         else:
             sig[name] = {"OUT": "*bf16", "LSE": "*fp32", "qk_scale": "fp32", "softcap_log2": "fp32"}.get(
                 name, "i32" if name.startswith("stride_") else "*i32"
@@ -101,7 +108,7 @@ def gluon_stats(cfg: Config, d: int) -> dict:
         "SOFTCAP": False, "RETURN_LSE": False, "N_INFO": len(INFO), "CONSUMER_REGS": 240,
         "PRODUCER_REGS": 24,
     }  # fmt: skip
-    src = GluonASTSource(fn=kg.attn_fwd_gluon, signature=sig, constexprs=const)
+    src = GluonASTSource(fn=kernel, signature=sig, constexprs=const)
     return _report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}))
 
 
@@ -130,17 +137,17 @@ def _report(kernel) -> dict:
 
 
 def shipped() -> list[tuple[int, Config, int]]:
-    """(head_dim, config, page size) of every kernel variant configs.pick hands out for bf16 on a
-    Hopper GPU: each head_dim's global and short-window configs on packed K/V (TMA; the Gluon
-    kernel where the config asks for it), and their pointer-load forms over 16-token pages."""
+    """(head_dim, config, page size) of every kernel variant configs.pick and pick_gluon hand out
+    for bf16 on a Hopper GPU: each head_dim's Gluon kernel, its global and short-window configs on
+    packed K/V (TMA) and their pointer-load forms over 16-token pages."""
     out = []
     for d in (64, 128, 256, 512):
+        if pick_gluon(d, torch.bfloat16):
+            out.append((d, pick_gluon(d, torch.bfloat16), 0))
         kinds = {pick(d, torch.bfloat16, False), pick(d, torch.bfloat16, False, window=1024)}
         for cfg in sorted(kinds, key=repr):
             out.append((d, cfg, 0))
-            if cfg.gluon:  # the triton kernel still runs these steps elsewhere (see uses_gluon)
-                out.append((d, replace(cfg, gluon=False), 0))
-            out.append((d, replace(cfg, tma=False, gluon=False), 16))
+            out.append((d, replace(cfg, tma=False), 16))
     return out
 
 

@@ -20,7 +20,6 @@ import json
 import math
 import random
 import time
-from dataclasses import replace
 
 import torch
 from triton.testing import do_bench
@@ -49,15 +48,16 @@ DEV = "cuda"
 TABLES = {"global": ("GPU_CONFIGS", ("S0", "S2", "S4")), "window": ("WINDOW_CONFIGS", ("S1",)),
           "d512": ("GPU_CONFIGS", ("S5",))}  # fmt: skip
 CANDIDATES = {
-    (128, "global"): [
-        (128, 128, 8, 3, False, 1, True, True),
-        (128, 128, 8, 2, False, 1, True, True),
-        (128, 128, 8, 3, False, 1, True),
+    (128, "global"): [(128, 128, 8, 3, False, 1, True, True), (128, 128, 8, 3, False, 1, True)],
+    (128, "window"): [(128, 128, 8, 3, False, 1, True, True), (128, 128, 8, 3, True, 1, True)],
+    (256, "global"): [(128, 64, 8, 2, False, 1, True, True), (128, 64, 8, 2, True, 1, True)],
+    (256, "window"): [(128, 64, 8, 2, False, 1, True, True), (128, 64, 8, 2, True, 1, True)],
+    (512, "d512"): [
+        (64, 32, 8, 2, False, 1, True, True),
+        (64, 64, 8, 1, False, 1, True, True),
+        (64, 16, 8, 4, False, 1, True, True),
+        (128, 32, 8, 2, True, 2, True),
     ],
-    (128, "window"): [(128, 128, 8, 3, True, 1, True, True), (128, 128, 8, 3, True, 1, True)],
-    (256, "global"): [(128, 64, 8, 2, True, 1, True, True), (128, 64, 8, 2, True, 1, True)],
-    (256, "window"): [(128, 64, 8, 2, True, 1, True, True), (128, 64, 8, 2, True, 1, True)],
-    (512, "d512"): [(128, 32, 8, 2, True, 2, True)],
 }
 
 
@@ -94,13 +94,12 @@ def part_check(res, dims=(64, 96, 128, 256, 512)):
             )
             rows.append({"dtype": "bf16", "d": d, "hq": 8, "hkv": 4, "layer": lname + "+one_loop", **r})
     # The step above holds a one-key sequence, so it runs the pointer-load kernel everywhere;
-    # without it every sequence fills a key tile and the TMA kernels run (Gluon at d128/d256 on
+    # without it every sequence fills a key tile and the TMA kernels run (Gluon at d128-d512 on
     # sm_90).
     long = sa.Batch([s for s in mixed.seqs if s.kv_len >= 128])
     variants = [(d, "+tma", None) for d in (128, 256, 512) if d in dims]
-    for d in [d for d in (128, 256) if d in dims]:  # the triton kernel where the Gluon one would run
-        plain = replace(tcfg.pick(d, torch.bfloat16, False), gluon=False)
-        variants.append((d, "+tma+triton_kernel", plain))
+    for d in [d for d in (128, 256, 512) if d in dims]:  # the triton kernel where Gluon would run
+        variants.append((d, "+tma+triton_kernel", tcfg.pick(d, torch.bfloat16, False)))
     for d, suffix, config in variants:
         for lname, layer in layers.items():
             r = check_one(long, layer, torch.bfloat16, d, 8, 4, config=config)
@@ -121,9 +120,10 @@ def compile_counts():
     """Compiled variants so far of every kernel a prefill step launches: planning's interval
     kernel, the tile schedule's and the attention kernel."""
     from spanattn import intervals_triton
-    from spanattn.backends.triton import kernel_gluon, schedule_triton
+    from spanattn.backends.triton import kernel_gluon, kernel_gluon_split, schedule_triton
 
     kernels = {"attn_fwd": tk.attn_fwd, "attn_fwd_gluon": kernel_gluon.attn_fwd_gluon,
+               "attn_fwd_gluon_split": kernel_gluon_split.attn_fwd_gluon_split,
                "schedule": schedule_triton._tile_info_kernel,
                "intervals": intervals_triton._intervals_kernel}  # fmt: skip
     counts = {}
@@ -159,7 +159,7 @@ def part_count(res):
     torch.cuda.synchronize()
     n = {k: c - before[k] for k, c in compile_counts().items()}
     print(f"count: compilations over 100 random steps (bf16 d128, Hq {HQ}/Hkv {HKV}): {n}")
-    res["compilations_100_steps"] = n["attn_fwd"] + n["attn_fwd_gluon"]
+    res["compilations_100_steps"] = n["attn_fwd"] + n["attn_fwd_gluon"] + n["attn_fwd_gluon_split"]
     res["compilations_100_steps_by_kernel"] = n
 
 
@@ -206,7 +206,11 @@ def part_sweep(res, dims=(64, 128, 256, 512)):
         base = next(iter(scores.values()))
         rel = {c: math.prod(t / b for t, b in zip(ts, base)) ** (1 / len(ts)) for c, ts in scores.items()}
         best = min(rel, key=rel.get)
-        getattr(tcfg, attr)[d] = tcfg.Config(*best)
+        if tcfg.Config(*best).gluon:
+            tcfg.GLUON_CONFIGS[d] = tcfg.Config(*best)
+        else:  # forward runs a Gluon kernel wherever GLUON_CONFIGS has one
+            getattr(tcfg, attr)[d] = tcfg.Config(*best)
+            tcfg.GLUON_CONFIGS.pop(d, None)
         res["best_configs"][f"d{d} {table}"] = {"config": best, "relative_time": rel[best]}
         print(f"best d{d} {table}: {best} ({rel[best]:.3f}x the first candidate's time)", flush=True)
 
@@ -233,7 +237,7 @@ def part_bench(res, peers, only=None):
         if sc.decode or (only and sid not in only):
             continue
         for d in sc.head_dims:
-            cfg = tcfg.pick(d, torch.bfloat16, False, sc.layer.window)
+            cfg = tcfg.pick_gluon(d, torch.bfloat16) or tcfg.pick(d, torch.bfloat16, False, sc.layer.window)
             p, ms = time_ours(sc, d)
             row = {"scenario": sid, "d": d, "config": list(cfg.__dict__.values()), "ours_ms": ms,
                    "ours_tflops": tflops(p, d, ms)}  # fmt: skip

@@ -1,5 +1,6 @@
-"""The triton backend's Gluon kernel (kernel_gluon.py: sm_90 only, no interpreter) against fp64
-truth with NaN-poisoned outputs; elsewhere, only that it is never chosen."""
+"""The triton backend's Gluon kernels (kernel_gluon.py at head_dim 128/256, kernel_gluon_split.py
+at 512: sm_90 only, no interpreter) against fp64 truth with NaN-poisoned outputs; elsewhere,
+only that they are never chosen, and that asking for one is an error."""
 
 from dataclasses import replace
 
@@ -11,7 +12,8 @@ import spanattn as sa
 
 pytest.importorskip("triton")
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-hopper_only = pytest.mark.skipif(not SM90, reason="the Gluon kernel runs on sm_90 only")
+hopper_only = pytest.mark.skipif(not SM90, reason="the Gluon kernels run on sm_90 only")
+DIMS = [128, 256, 512]
 
 # Every sequence at least one 128-key tile long (the kernel reads K/V by TMA): a chunk with
 # spans on and across tile edges, a decode row, a non-causal canvas, a ragged causal sequence.
@@ -34,24 +36,41 @@ LAYERS = {
 
 def test_chosen_only_for_hopper_tma_steps(monkeypatch):
     from spanattn.backends.triton import uses_gluon
-    from spanattn.backends.triton.configs import Config
+    from spanattn.backends.triton.configs import pick_gluon
 
-    cfg = Config(128, 128, 8, 3, tma=True, gluon=True)
-    q = torch.zeros(4, 2, 128, dtype=torch.bfloat16)
-    assert not uses_gluon(q, cfg, tma=True)  # not on a GPU
+    cfg = pick_gluon(128, torch.bfloat16)
+    assert pick_gluon(128, torch.float32) is None and pick_gluon(64, torch.bfloat16) is None
+    p = sa.plan(LONG, sa.LayerMask(), device="cuda" if SM90 else "cpu")
+    q, k, v = _qkv(p, 2, 1, torch.bfloat16)
+    assert not uses_gluon(q, k, v, p, cfg)  # not on a GPU
     if SM90:
-        q = q.cuda()
-        assert uses_gluon(q, cfg, tma=True)
-        assert not uses_gluon(q, cfg, tma=False)
-        assert not uses_gluon(q, replace(cfg, gluon=False), tma=True)
-        assert not uses_gluon(q.float(), cfg, tma=True)
-        assert not uses_gluon(q[..., :64].contiguous(), cfg, tma=True)  # head_dim 64
-        assert uses_gluon(torch.cat([q, q], -1), cfg, tma=True)  # head_dim 256
-        assert not uses_gluon(q, replace(cfg, block_m=64), tma=True)
+        q, k, v = q.cuda(), k.cuda(), v.cuda()
+        assert uses_gluon(q, k, v, p, cfg)
+        assert not uses_gluon(q, k, v, p, replace(cfg, gluon=False))
+        assert not uses_gluon(q, k, v, p, replace(cfg, tma=False))
+        assert not uses_gluon(q.float(), k, v, p, cfg)
+        assert not uses_gluon(q, k, v, p, replace(cfg, block_m=64))  # no d128 kernel on 64 rows
+        short = sa.plan(sa.Batch([sa.Seq(q_len=5, kv_len=100)]), sa.LayerMask(), device="cuda")
+        assert not uses_gluon(q[:5], k[:100], v[:100], short, cfg)  # shorter than a key tile
+        for d in (256, 512):
+            qd, kd, vd = (t.repeat(1, 1, d // 128) for t in (q, k, v))
+            assert uses_gluon(qd, kd, vd, p, pick_gluon(d, torch.bfloat16))
+        heads_apart = q.repeat(1, 2, 1)[:, ::2]
+        assert not uses_gluon(heads_apart, k, v, p, cfg)
         monkeypatch.setenv("SPANATTN_TRITON_GLUON", "0")
-        assert not uses_gluon(q, cfg, tma=True)
-        heads_apart = torch.zeros(4, 4, 128, dtype=torch.bfloat16, device="cuda")[:, ::2]
-        assert not uses_gluon(heads_apart, cfg, tma=True)
+        assert not uses_gluon(q, k, v, p, cfg)
+
+
+def test_a_gluon_config_where_it_cannot_run_is_an_error():
+    from spanattn.backends import triton as tb
+    from spanattn.backends.triton.configs import pick_gluon
+
+    p = sa.plan(LONG, sa.LayerMask(), device="cuda" if SM90 else "cpu")
+    q, k, v = (t.to(p.device) for t in _qkv(p, 2, 1, torch.float16))
+    if tb.unavailable(q, p) is not None:
+        pytest.skip(tb.unavailable(q, p))
+    with pytest.raises(ValueError, match="Gluon kernel, which cannot run here"):
+        tb.forward(q.float(), k.float(), v.float(), p, scale=0.1, config=pick_gluon(128, torch.float16))
 
 
 def _qkv(p, hq, hkv, dtype, seed=0, d=128):
@@ -61,7 +80,7 @@ def _qkv(p, hq, hkv, dtype, seed=0, d=128):
 
 
 @hopper_only
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize("layer", list(LAYERS.values()), ids=list(LAYERS))
 @pytest.mark.parametrize(
     "dtype, hq, hkv, softcap",
@@ -70,12 +89,11 @@ def _qkv(p, hq, hkv, dtype, seed=0, d=128):
 )
 def test_matches_truth(layer, dtype, hq, hkv, softcap, d):
     from spanattn.backends import triton as tb
-    from spanattn.backends.triton.configs import pick
+    from spanattn.backends.triton.configs import pick_gluon
 
     p = sa.plan(LONG, layer, device="cuda")
     q, k, v = (t.cuda() for t in _qkv(p, hq, hkv, dtype, d=d))
-    cfg = pick(d, dtype, False, layer.window)
-    assert tb.uses_gluon(q, cfg, tb.uses_tma(p, k, v, cfg))
+    assert tb.uses_gluon(q, k, v, p, pick_gluon(d, dtype))
     out = torch.full_like(q, float("nan"))
     out, lse = tb.forward(q, k, v, p, scale=d**-0.5, softcap=softcap, return_lse=True, out=out)
     opts = {"softcap": softcap} if softcap else {}
@@ -84,7 +102,7 @@ def test_matches_truth(layer, dtype, hq, hkv, softcap, d):
 
 
 @hopper_only
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", DIMS)
 def test_sequences_never_read_each_others_keys(d):
     """The middle sequence's neighbours hold inf keys and NaN values; its output and LSE must be
     exact (its last tile is read shifted back, never into the next sequence)."""

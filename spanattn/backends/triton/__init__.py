@@ -1,8 +1,9 @@
 """The triton backend: a forward kernel over packed varlen q/k/v driven by the plan's
 intervals, skipping key tiles outside ``[min lo, max hi]`` and masking only the tiles that cut
-an interval (kernel.py; on Hopper at head_dim 128 its warp-specialized Gluon form,
-kernel_gluon.py), and a split-KV kernel for decode-shaped steps (decode.py). Runs on CUDA, or on
-CPU under ``TRITON_INTERPRET=1`` (slow; for tests; the Gluon kernel never)."""
+an interval (kernel.py; on Hopper at head_dim 128-512 its warp-specialized Gluon forms,
+kernel_gluon.py and kernel_gluon_split.py), and a split-KV kernel for decode-shaped steps
+(decode.py). Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1`` (slow; for tests; the Gluon
+kernels never)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ import os
 
 import torch
 
-from .configs import Config, padded_head_dim, pick
+from .configs import Config, padded_head_dim, pick, pick_gluon
 from .schedule import INFO, tile_schedule
 
 LOG2E = 1.4426950408889634
-# SPANATTN_TRITON_GLUON=0 keeps every step on kernel.py (a check against the Gluon kernel, or a
-# way around it on a toolchain where it misbehaves); =1 runs the Gluon kernel also on triton
-# versions it was not checked on (kernel_gluon.CHECKED_TRITON). Read per call.
+# SPANATTN_TRITON_GLUON=0 keeps every step on kernel.py (a check against the Gluon kernels, or a
+# way around them on a toolchain where they misbehave); =1 runs them also on triton versions
+# they were not checked on (gluon_parts.CHECKED_TRITON). Read per call.
 GLUON_ENV = "SPANATTN_TRITON_GLUON"
 AUTO_NEEDS_CUDA = True  # backend="auto" never picks the interpreter; naming "triton" still can
 
@@ -87,27 +88,38 @@ def uses_tma(plan, k, v, cfg: Config) -> bool:
     )
 
 
-def uses_gluon(q, cfg: Config, tma: bool) -> bool:
-    """Run the warp-specialized Gluon kernel (kernel_gluon.py)? Where K/V go through TMA
-    (``uses_tma``), the config asks for it on 128-query tiles, head_dim is 128 (the one it is
-    built and tested for), the GPU is sm_90 (its MMAs are Hopper's), q is bf16/fp16 with each
-    token's heads side by side and 16-byte aligned (Q comes by TMA too), and this triton has
-    Gluon and is one the kernel was checked on (or ``SPANATTN_TRITON_GLUON=1``; ``=0``: never)."""
+# The Gluon kernels by query rows per tile: kernel_gluon.py splits 128 rows over its consumers
+# at d128/d256, kernel_gluon_split.py splits head_dim 512 over them on 64-row tiles.
+GLUON_KERNELS = {(128, 128): "kernel_gluon", (256, 128): "kernel_gluon", (512, 64): "kernel_gluon_split"}
+
+
+def uses_gluon(q, k, v, plan, cfg: Config) -> bool:
+    """Run a warp-specialized Gluon kernel (GLUON_KERNELS) on ``cfg``'s tiles? Where one is built
+    for head_dim and ``cfg.block_m``, K/V can go through TMA (``uses_tma``: every sequence at
+    least ``cfg.block_n`` keys, ...), q is bf16/fp16 with each token's heads side by side and
+    16-byte aligned (Q comes by TMA too), and ``gluon_runs_on`` the device."""
+    name = GLUON_KERNELS.get((q.shape[-1], cfg.block_m))
+    if not (cfg.gluon and name and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    return gluon_runs_on(q.device, name) and _tma_readable(q) and uses_tma(plan, k, v, cfg)
+
+
+def gluon_runs_on(device, name: str = "kernel_gluon") -> bool:
+    """Can Gluon kernel module ``name`` run on ``device``? An sm_90 GPU (its MMAs are Hopper's), a
+    triton with Gluon that the kernels were checked on (or ``SPANATTN_TRITON_GLUON=1``; ``=0``:
+    never)."""
     setting = os.environ.get(GLUON_ENV, "")
-    if setting == "0" or not (tma and cfg.gluon and cfg.block_m == 128 and q.shape[-1] in (128, 256)):
+    if setting == "0" or torch.device(device).type != "cuda":
         return False
-    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
+    if torch.cuda.get_device_capability(device) != (9, 0) or _gluon_module(name) is None:
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0) or not _tma_readable(q):
-        return False
-    gluon = _gluon_module()
-    return gluon is not None and (setting == "1" or gluon.checked_triton())
+    return setting == "1" or _gluon_module("gluon_parts").checked_triton()
 
 
 @functools.cache
-def _gluon_module():
+def _gluon_module(name: str):
     try:  # triton.experimental.gluon exists from triton 3.4 on
-        return importlib.import_module(__name__ + ".kernel_gluon")
+        return importlib.import_module(f"{__name__}.{name}")
     except ImportError:
         return None
 
@@ -132,9 +144,16 @@ def _kernel_module():
 
 def prepare(plan, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> None:
     """Build the step's tile schedule ahead of the first layer (cached on the plan): what a step
-    pays once for this backend besides ``spanattn.plan``, so that benchmarks count it."""
+    pays once for this backend besides ``spanattn.plan``, so that benchmarks count it. The
+    schedule of the kernel that will run, as far as the plan tells (a Gluon kernel needs TMA-
+    readable inputs too)."""
     kmod = _kernel_module()
-    cfg = pick(head_dim, dtype, kmod.INTERPRETED, plan.layer.window)
+    gcfg = pick_gluon(head_dim, dtype)
+    name = gcfg and GLUON_KERNELS.get((head_dim, gcfg.block_m))
+    if name and gluon_runs_on(plan.device, name) and min(s.kv_len for s in plan.batch.seqs) >= gcfg.block_n:
+        cfg = gcfg
+    else:
+        cfg = pick(head_dim, dtype, kmod.INTERPRETED, plan.layer.window)
     tile_schedule(plan, cfg.block_m, cfg.block_n)
 
 
@@ -211,21 +230,27 @@ def forward(
         if gathers_pages(plan, page_size, choose(False).block_n, hq // hkv, d):
             k, v = _copy_pages(plan, k, v, block_table, page_size)
             paged = False
-    tma = not paged and uses_tma(plan, k, v, choose(True))
-    cfg = choose(tma)
     if out is None:
         out = torch.empty(total_q, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device) if return_lse else None
-    sched = tile_schedule(plan, cfg.block_m, cfg.block_n, lpt)
     if softcap:
         qk_scale, softcap_log2 = scale / softcap, softcap * LOG2E
     else:
         qk_scale, softcap_log2 = scale * LOG2E, 1.0
-    if uses_gluon(q, cfg, tma):
-        _gluon_module().forward_gluon(
-            q, k, v, plan, sched, out, lse, qk_scale, softcap_log2, bool(softcap), cfg.num_stages
-        )
-        return out, lse
+    gcfg = config if config is not None else pick_gluon(d, q.dtype)
+    if gcfg is not None and gcfg.gluon:
+        if not paged and uses_gluon(q, k, v, plan, gcfg):
+            sched = tile_schedule(plan, gcfg.block_m, gcfg.block_n, lpt)
+            kernel = _gluon_module(GLUON_KERNELS[(d, gcfg.block_m)])
+            kernel.launch(
+                q, k, v, plan, sched, out, lse, qk_scale, softcap_log2, bool(softcap), gcfg.num_stages
+            )
+            return out, lse
+        if config is not None:
+            raise ValueError(f"config {config} asks for a Gluon kernel, which cannot run here (uses_gluon)")
+    tma = not paged and uses_tma(plan, k, v, choose(True))
+    cfg = choose(tma)
+    sched = tile_schedule(plan, cfg.block_m, cfg.block_n, lpt)
     kd, vd = _descriptors(k, v, cfg, d) if tma else (k, v)
     grid = (sched.num_tiles * hq * cfg.dv_split,)
     kmod.attn_fwd[grid](

@@ -19,8 +19,7 @@ class Config:
     one_loop: bool = False  # one KV loop masking tiles at run time, not PARTIAL/FULL/PARTIAL loops
     dv_split: int = 1  # programs sharing a query tile, each computing 1/dv_split of the output columns
     tma: bool = False  # packed K/V tiles through TMA descriptors (sm_90+, head_dim a power of two)
-    # sm_90 with TMA, bf16/fp16: the warp-specialized Gluon kernel (kernel_gluon.py) on this
-    # config's block_n and num_stages; the fields above still hold for the triton kernel
+    # a Gluon kernel's tiles (GLUON_CONFIGS): block_m, block_n and num_stages hold, the rest not
     gluon: bool = False
 
 
@@ -43,15 +42,13 @@ class Config:
 # strides, a sequence shorter than a key tile) the same tiles are read through pointers; three
 # loops on 8 warps also suit paged prefill (S2 over 128-token pages at 1.115x the contiguous
 # time, where 4 warps holding their tiles' addresses spilled and ran 1.51x: paged-prefill v9, v8).
-# ``gluon``: on sm_90 the warp-specialized Gluon kernel replaces these at d128 (S0 496 -> 618
-# TFLOP/s, S1 373 -> 405: bench-h200-s5 vs s6); it keeps 128 x 128 tiles and 3 stages. At d256
-# it runs 128 x 64 tiles in 2 stages (192 KB; 3 stages would need 256 KB).
+# On sm_90 the warp-specialized Gluon kernels (GLUON_CONFIGS) replace these where they can run.
 GPU_CONFIGS = {
     16: Config(128, 64, 4, 3, tma=True),
     32: Config(128, 64, 4, 3, tma=True),
     64: Config(128, 64, 4, 3, tma=True),
-    128: Config(128, 128, 8, 3, tma=True, gluon=True),
-    256: Config(128, 64, 8, 2, one_loop=True, tma=True, gluon=True),
+    128: Config(128, 128, 8, 3, tma=True),
+    256: Config(128, 64, 8, 2, one_loop=True, tma=True),
     512: Config(128, 32, 8, 2, one_loop=True, dv_split=2, tma=True),
 }
 
@@ -59,8 +56,19 @@ GPU_CONFIGS = {
 # pipeline fills weigh more and one loop wins at every head_dim (S1: +4% d128, +10% d256).
 WINDOW_MAX = 4096
 WINDOW_CONFIGS = {
-    128: Config(128, 128, 8, 3, one_loop=True, tma=True, gluon=True),
-    256: Config(128, 64, 8, 2, one_loop=True, tma=True, gluon=True),
+    128: Config(128, 128, 8, 3, one_loop=True, tma=True),
+    256: Config(128, 64, 8, 2, one_loop=True, tma=True),
+}
+
+# The Gluon kernels (sm_90, K/V and Q by TMA, bf16/fp16), for every layer kind of a head_dim:
+# kernel_gluon.py's 128-query tiles split in rows over its two consumer warpgroups at d128 (S0
+# 496 -> 618 TFLOP/s, S1 373 -> 405 over the triton kernel: bench-h200-s5 vs s6) and d256 (2
+# stages fit; S0 532 -> 623, S1 389 -> 434: triton-h200-s11-d256-gluon.json), and
+# kernel_gluon_split.py's 64-query tiles split in head_dim at d512.
+GLUON_CONFIGS = {
+    128: Config(128, 128, 8, 3, tma=True, gluon=True),
+    256: Config(128, 64, 8, 2, tma=True, gluon=True),
+    512: Config(64, 32, 8, 2, tma=True, gluon=True),
 }
 
 # Small tiles for TRITON_INTERPRET=1 (CPU tests): cheap per step and many tile edges to cross.
@@ -90,10 +98,18 @@ def pick(
     cfg = WINDOW_CONFIGS.get(d) if short else None
     cfg = cfg or GPU_CONFIGS[d]
     if not tma and cfg.tma:
-        cfg = replace(cfg, tma=False, gluon=False)
+        cfg = replace(cfg, tma=False)
     if dtype == torch.float32:
         cfg = _fit_fp32(cfg, d)
     return cfg
+
+
+def pick_gluon(head_dim: int, dtype: torch.dtype) -> Config | None:
+    """The Gluon kernel's tiles for this head_dim and dtype, if one is built for them (whether it
+    can run on the device and inputs at hand is ``uses_gluon``'s to say)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return GLUON_CONFIGS.get(head_dim)
 
 
 def _fit_fp32(cfg: Config, d: int, budget: int = 160 * 1024) -> Config:

@@ -10,55 +10,19 @@ deferred P @ V, so that two stages keep the next tile's loads ahead of the MMAs.
 
 from __future__ import annotations
 
-import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 from .columns import FULL_END, FULL_START, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST
+from .gluon_parts import descriptor, produce, softmax_step, store_rows
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
-# Triton versions this kernel was checked on, on an H200. Gluon is experimental and changes
-# between releases (triton 3.9 renamed the TMA copy); it compiles for sm_90 on 3.9 as well
-# (tests/test_kernels_compile.py), but runs there only when asked (SPANATTN_TRITON_GLUON=1).
-CHECKED_TRITON = ("3.6.",)
-
-
-def checked_triton() -> bool:
-    """Is the installed triton one this kernel was checked on?"""
-    return triton.__version__.startswith(CHECKED_TRITON)
-
-
-# TMA's global-to-shared copy: ``async_copy_global_to_shared`` in triton 3.6, ``async_load`` later.
-tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
-
-@gluon.jit
-def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-             v_empty, q_row0, head, num_tiles, kv_start, tma_row0, tma_last, col,
-             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """Q once, then K (V) tile ``t`` into K (V) slot ``t % STAGES`` as soon as both consumers
-    released the tile that held it before. The tile across the sequence end is read shifted back
-    to end with the sequence; Q rows past it read the next rows (never stored)."""
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma_load(q_desc, [q_row0, head * HEAD_DIM], q_bar, q_smem.index(0))
-    tma_load(q_desc, [q_row0 + ROWS, head * HEAD_DIM], q_bar, q_smem.index(1))
-    for t in range(num_tiles):
-        slot = t % STAGES
-        reuse = (t // STAGES - 1) & 1
-        row = tma_row0 + gl.minimum(kv_start + t * BLOCK_N, tma_last)
-        mbarrier.wait(k_empty.index(slot), reuse, pred=t >= STAGES)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma_load(k_desc, [row, col], k_ready.index(slot), k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), reuse, pred=t >= STAGES)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma_load(v_desc, [row, col], v_ready.index(slot), v_smem.index(slot))
+ZERO, ONE = gl.constexpr(0), gl.constexpr(1)
 
 
 @gluon.jit
@@ -111,22 +75,10 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty
         s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
         mbarrier.arrive(k_empty.index(slot))
 
-        if SOFTCAP:  # c * tanh(score * scale / c), in log2 units (see kernel._softmax)
-            s = (1.0 - 2.0 / (gl.exp2(s * (qk_scale * 2.8853900817779268)) + 1.0)) * softcap_log2
-            s_scale = 1.0
-        else:
-            s_scale = qk_scale
-        if (n < full_start) | (n + BLOCK_N > full_end):
-            kv_idx = gl.expand_dims(gl.minimum(n, tma_last) + offs_n, 0)
-            keep = (kv_idx >= gl.expand_dims(gl.maximum(lo, n), 1)) & (kv_idx <= gl.expand_dims(hi, 1))
-            s = gl.where(keep, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1) * s_scale)
-        # A row may have no allowed key in this tile and none seen yet.
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p_f = gl.exp2(s * s_scale - gl.expand_dims(m_use, 1))
-        alpha_s = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha_s + gl.sum(p_f, 1)
-        m_i = m_new
+        p_f, alpha_s, m_i, l_i = softmax_step(
+            s, m_i, l_i, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale, softcap_log2,
+            BLOCK_N, SOFTCAP,
+        )  # fmt: skip
         alpha = gl.convert_layout(alpha_s, rows_o)
         p = gl.convert_layout(p_f.to(dtype), p_layout)
 
@@ -140,17 +92,8 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty
     acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
 
-    # Every row allows k = q, so l_i > 0 for stored rows.
-    acc = acc / gl.expand_dims(gl.convert_layout(l_i, rows_o), 1)
-    rows = row0 + gl.arange(0, ROWS, layout=rows_o)
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    o_rows = gl.expand_dims(rows.to(gl.int64) * stride_ot, 1)
-    o_ptrs = OUT + o_rows + head * stride_oh + gl.expand_dims(cols, 0)
-    gl.store(o_ptrs, acc.to(dtype), mask=gl.expand_dims(rows <= q_row_last, 1))
-    if RETURN_LSE:
-        rows_l = row0 + gl.arange(0, ROWS, layout=rows_s)
-        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # ln 2
-        gl.store(LSE + rows_l.to(gl.int64) * HQ + head, lse, mask=rows_l <= q_row_last)
+    store_rows(acc, m_i, l_i, OUT, LSE, row0, q_row_last, head, 0, stride_ot, stride_oh, HQ, ROWS,
+               RETURN_LSE)  # fmt: skip
 
 
 @gluon.jit
@@ -191,11 +134,9 @@ def attn_fwd_gluon(
         mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
         mbarrier.init(v_empty.index(i), count=2)
 
-    producer = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                v_empty, q_row0, head, num_tiles, kv_start, tma_row0, tma_last,
-                (head // GROUP) * HEAD_DIM, HEAD_DIM, BLOCK_N, STAGES)  # fmt: skip
-    # The consumers' arguments are written out for each: in Gluon's frontend (triton 3.6) a tuple
-    # built by concatenation loses its constexprs, and ``*`` unpacking is not supported.
+    # The partitions' arguments are written out in place: in Gluon's frontend (triton 3.6) a tuple
+    # held in a variable or built by concatenation loses its constexprs, and ``*`` unpacking is
+    # not supported. The producer reads Q as two row halves and K/V tiles as one box each.
     # fmt: off
     gl.warp_specialize(
         [(_consume, (0, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, OUT, LSE,
@@ -206,33 +147,26 @@ def attn_fwd_gluon(
                      LO, HI, q_row0, q_row_last, head, num_tiles, kv_start, full_start, full_end,
                      tma_last, qk_scale, softcap_log2, stride_ot, stride_oh, HQ, HEAD_DIM, BLOCK_N,
                      STAGES, SOFTCAP, RETURN_LSE)),
-         (_produce, producer)],
+         (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+                    v_empty, q_row0, head * HEAD_DIM, num_tiles, kv_start, tma_row0, tma_last,
+                    (head // GROUP) * HEAD_DIM, ROWS, ZERO, ONE, BLOCK_N, STAGES))],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
     )
     # fmt: on
 
 
-def forward_gluon(q, k, v, plan, sched, out, lse, qk_scale: float, softcap_log2: float,
-                  softcap: bool, stages: int) -> None:  # fmt: skip
+def launch(q, k, v, plan, sched, out, lse, qk_scale: float, softcap_log2: float, softcap: bool,
+           stages: int) -> None:  # fmt: skip
     """Launch over packed ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]`` (see ``uses_gluon``)
     with the step's tile schedule of ``2 * ROWS``-query tiles."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from .schedule import INFO
 
     assert sched.block_m == 2 * ROWS.value
     hq, d = q.shape[1], q.shape[2]
-    el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
-
-    def desc(t, rows):
-        flat = t.view(t.shape[0], t.shape[1] * d)
-        layout = gl.NVMMASharedLayout.get_default_for([rows, d], el)
-        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, d], layout)
-
     grid = (sched.num_tiles * hq,)
     attn_fwd_gluon[grid](
-        desc(q, ROWS.value), desc(k, sched.block_n), desc(v, sched.block_n), out,
+        descriptor(q, ROWS.value, d), descriptor(k, sched.block_n, d), descriptor(v, sched.block_n, d), out,
         lse if lse is not None else out, plan.lo, plan.hi, sched.info, out.stride(0), out.stride(1),
         qk_scale, softcap_log2, HQ=hq, GROUP=hq // k.shape[1], HEAD_DIM=d, BLOCK_N=sched.block_n,
         STAGES=stages, SOFTCAP=softcap, RETURN_LSE=lse is not None, N_INFO=len(INFO),

@@ -1,0 +1,109 @@
+"""What the two Gluon prefill kernels share (kernel_gluon.py splits a 128-query tile's rows over
+two consumer warpgroups, kernel_gluon_split.py a 64-query tile's head_dim): the TMA producer
+warp, one tile's online-softmax step and the epilogue. Hopper (sm_90) only."""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+# Triton versions the Gluon kernels were checked on, on an H200. Gluon is experimental and
+# changes between releases (triton 3.9 renamed the TMA copy); the kernels compile for sm_90 on
+# 3.9 as well (tests/test_kernels_compile.py), but run there only when asked
+# (SPANATTN_TRITON_GLUON=1).
+CHECKED_TRITON = ("3.6.",)
+
+# TMA's global-to-shared copy: ``async_copy_global_to_shared`` in triton 3.6, ``async_load`` later.
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+def checked_triton() -> bool:
+    """Is the installed triton one the Gluon kernels were checked on?"""
+    return triton.__version__.startswith(CHECKED_TRITON)
+
+
+def descriptor(t: torch.Tensor, rows: int, cols: int):
+    """A host TMA descriptor of ``t [tokens, heads, D]`` seen as ``[tokens, heads * D]``, read in
+    ``rows x cols`` boxes."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
+    flat = t.view(t.shape[0], t.shape[1] * t.shape[2])
+    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], el)
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, cols], layout)
+
+
+@gluon.jit
+def produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+            v_empty, q_row0, q_col, num_tiles, kv_start, tma_row0, tma_last, kv_col,
+            Q_ROW_STEP: gl.constexpr, Q_COL_STEP: gl.constexpr, PIECES: gl.constexpr,
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """The producer warp. Q once, as two boxes ``Q_ROW_STEP`` rows / ``Q_COL_STEP`` columns apart;
+    then K (V) tile ``t``, as ``PIECES`` boxes side by side, into K (V) slot ``t % STAGES`` (shared
+    memory index ``slot * PIECES + piece``) as soon as both consumers released the tile that held
+    it before. The tile across the sequence end is read shifted back to end with the sequence;
+    Q rows past it read the next rows (never stored)."""
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    for i in gl.static_range(2):
+        tma_load(q_desc, [q_row0 + i * Q_ROW_STEP, q_col + i * Q_COL_STEP], q_bar, q_smem.index(i))
+    width: gl.constexpr = k_desc.block_type.shape[1]
+    for t in range(num_tiles):
+        slot = t % STAGES
+        reuse = (t // STAGES - 1) & 1
+        row = tma_row0 + gl.minimum(kv_start + t * BLOCK_N, tma_last)
+        mbarrier.wait(k_empty.index(slot), reuse, pred=t >= STAGES)
+        mbarrier.expect(k_ready.index(slot), PIECES * k_desc.block_type.nbytes)
+        for i in gl.static_range(PIECES):
+            tma_load(k_desc, [row, kv_col + i * width], k_ready.index(slot), k_smem.index(slot * PIECES + i))
+        mbarrier.wait(v_empty.index(slot), reuse, pred=t >= STAGES)
+        mbarrier.expect(v_ready.index(slot), PIECES * v_desc.block_type.nbytes)
+        for i in gl.static_range(PIECES):
+            tma_load(v_desc, [row, kv_col + i * width], v_ready.index(slot), v_smem.index(slot * PIECES + i))
+
+
+@gluon.jit
+def softmax_step(s, m_i, l_i, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
+                 softcap_log2, BLOCK_N: gl.constexpr, SOFTCAP: gl.constexpr):  # fmt: skip
+    """One tile's online-softmax step on raw scores ``s`` of keys ``n ...`` in the log2 domain (as
+    kernel._softmax): ``p`` (fp32, unnormalized), the factor that rescales what was accumulated
+    before, the new row max and row sum. Only tiles outside ``[full_start, full_end)`` are masked;
+    the last tile, read shifted back to ``tma_last``, is masked by its true key indices."""
+    if SOFTCAP:  # c * tanh(score * scale / c), in log2 units (see kernel._softmax)
+        s = (1.0 - 2.0 / (gl.exp2(s * (qk_scale * 2.8853900817779268)) + 1.0)) * softcap_log2
+        s_scale = 1.0
+    else:
+        s_scale = qk_scale
+    if (n < full_start) | (n + BLOCK_N > full_end):
+        kv_idx = gl.expand_dims(gl.minimum(n, tma_last) + offs_n, 0)
+        keep = (kv_idx >= gl.expand_dims(gl.maximum(lo, n), 1)) & (kv_idx <= gl.expand_dims(hi, 1))
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * s_scale)
+    # A row may have no allowed key in this tile and none seen yet.
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * s_scale - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def store_rows(acc, m_i, l_i, OUT, LSE, row0, q_row_last, head, col0, stride_ot, stride_oh,
+               HQ: gl.constexpr, ROWS: gl.constexpr, WRITE_LSE: gl.constexpr):  # fmt: skip
+    """Normalize and store ``acc`` as rows ``row0 ...`` (up to the sequence's last query) and
+    columns ``col0 ...`` of the head's output; the rows' LSE (natural log) if asked."""
+    o_layout: gl.constexpr = acc.type.layout
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    # Every row allows k = q, so l_i > 0 for stored rows.
+    acc = acc / gl.expand_dims(gl.convert_layout(l_i, rows_o), 1)
+    rows = row0 + gl.arange(0, ROWS, layout=rows_o)
+    cols = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, o_layout))
+    o_rows = gl.expand_dims(rows.to(gl.int64) * stride_ot, 1)
+    o_ptrs = OUT + o_rows + head * stride_oh + gl.expand_dims(cols, 0)
+    gl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=gl.expand_dims(rows <= q_row_last, 1))
+    if WRITE_LSE:
+        rows_l = row0 + gl.arange(0, ROWS, layout=l_i.type.layout)
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # ln 2
+        gl.store(LSE + rows_l.to(gl.int64) * HQ + head, lse, mask=rows_l <= q_row_last)

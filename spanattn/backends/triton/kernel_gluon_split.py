@@ -1,0 +1,194 @@
+"""The Gluon prefill kernel for head_dim 512 on Hopper: a 64-query tile's head_dim split in
+halves over two consumer warpgroups. A warpgroup's fp32 accumulator of 64 rows x 512 columns
+would take all its registers, so each consumer owns the output columns of its half and
+computes its half of every Q @ K^T product; the two halves of the scores are summed through
+shared memory (fp32 addition commutes, so both consumers hold bit-identical scores, row maxima
+and sums, with no further exchange), and each runs P @ V for its columns. The scores are thus
+computed once, where kernel.py's d512 configuration has two programs recompute them (1.5x the
+FLOPs). Producer warp, K/V rings, deferred P @ V, schedule and interval masks as in
+kernel_gluon.py.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .columns import FULL_END, FULL_START, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST
+from .gluon_parts import descriptor, produce, softmax_step, store_rows
+
+ROWS = gl.constexpr(64)  # query rows per tile, held by both consumers
+ZERO, TWO = gl.constexpr(0), gl.constexpr(2)
+
+
+@gluon.jit
+def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, k_ready, k_empty, v_ready,
+             v_empty, x_full, x_free, OUT, LSE, LO, HI, q_row0, q_row_last, head, num_tiles,
+             kv_start, full_start, full_end, tma_last, qk_scale, softcap_log2, stride_ot, stride_oh,
+             HQ: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr):  # fmt: skip
+    """Columns ``PART * HALF ...`` of the tile's 64 query rows."""
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    q_idx = gl.minimum(q_row0 + gl.arange(0, ROWS, layout=rows_s), q_row_last)
+    lo = gl.load(LO + q_idx)
+    hi = gl.load(HI + q_idx)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_s)
+    l_i = gl.zeros([ROWS], gl.float32, layout=rows_s)
+    alpha = gl.full([ROWS], 1.0, gl.float32, layout=rows_o)
+    acc = gl.zeros([ROWS, HALF], gl.float32, layout=o_layout)
+    p = gl.zeros([ROWS, BLOCK_N], dtype, layout=p_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    q = q_smem.index(PART)
+    mine = x_smem.index(PART)
+    theirs = x_smem.index(1 - PART)
+    mbarrier.wait(q_bar, 0)
+
+    for t in range(num_tiles):
+        slot = t % STAGES
+        prev = gl.maximum(t - 1, 0) % STAGES
+        n = kv_start + t * BLOCK_N
+        acc = acc * gl.expand_dims(alpha, 1)
+        mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
+        s = warpgroup_mma(
+            q, k_smem.index(2 * slot + PART).permute((1, 0)), s_zero, use_acc=False, is_async=True
+        )
+        mbarrier.wait(v_ready.index(prev), (gl.maximum(t - 1, 0) // STAGES) & 1)
+        acc = warpgroup_mma(p, v_smem.index(2 * prev + PART), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+        mbarrier.arrive(k_empty.index(slot))
+
+        # Swap halves of the scores: ours out once the other consumer has read our last ones,
+        # theirs in once written. The partition barriers make all 128 threads' stores (loads)
+        # happen before the one thread that arrives signals them.
+        mbarrier.wait(x_free.index(PART), (t - 1) & 1, pred=t > 0)
+        mine.store(s)
+        gl.thread_barrier()
+        mbarrier.arrive(x_full.index(PART))
+        mbarrier.wait(x_full.index(1 - PART), t & 1)
+        s = s + theirs.load(s_layout)
+        gl.thread_barrier()
+        mbarrier.arrive(x_free.index(1 - PART))
+
+        p_f, alpha_s, m_i, l_i = softmax_step(
+            s, m_i, l_i, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale, softcap_log2,
+            BLOCK_N, SOFTCAP,
+        )  # fmt: skip
+        alpha = gl.convert_layout(alpha_s, rows_o)
+        p = gl.convert_layout(p_f.to(dtype), p_layout)
+
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        mbarrier.arrive(v_empty.index(prev), pred=t > 0)
+
+    acc = acc * gl.expand_dims(alpha, 1)
+    last = num_tiles - 1
+    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+    acc = warpgroup_mma(p, v_smem.index(2 * (last % STAGES) + PART), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+
+    # Both consumers hold the same row maxima and sums: one writes the LSE.
+    store_rows(acc, m_i, l_i, OUT, LSE, q_row0, q_row_last, head, PART * HALF, stride_ot, stride_oh,
+               HQ, ROWS, RETURN_LSE and PART == 0)  # fmt: skip
+
+
+@gluon.jit
+def attn_fwd_gluon_split(
+    q_desc, k_desc, v_desc, OUT, LSE, LO, HI, TILE_INFO, stride_ot, stride_oh, qk_scale,
+    softcap_log2, HQ: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr,
+    N_INFO: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):  # fmt: skip
+    pid = gl.program_id(0)
+    tile = pid // HQ
+    head = pid % HQ
+    info = TILE_INFO + tile * N_INFO
+    q_row0 = gl.load(info + Q_ROW0)
+    q_row_last = gl.load(info + Q_ROW_LAST)
+    tma_row0 = gl.load(info + K_ROW0)
+    kv_len = gl.load(info + KV_LEN)
+    kv_start = gl.load(info + KV_START)
+    kv_end = gl.load(info + KV_END)
+    full_start = gl.load(info + FULL_START)
+    full_end = gl.load(info + FULL_END)
+    tma_last = kv_len - BLOCK_N
+    num_tiles = (kv_end - kv_start + BLOCK_N - 1) // BLOCK_N
+
+    HALF: gl.constexpr = HEAD_DIM // 2
+    dtype: gl.constexpr = q_desc.dtype
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], gl.float32)
+    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HALF], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_N, HALF], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_N, HALF], v_desc.layout)
+    x_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, BLOCK_N], x_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    x_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    x_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
+        mbarrier.init(v_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(x_full.index(i), count=1)  # by the consumer that wrote the half
+        mbarrier.init(x_free.index(i), count=1)  # by the consumer that read it
+
+    # Arguments written out in place (see kernel_gluon.attn_fwd_gluon). The producer reads Q as
+    # two column halves and each K/V tile as two.
+    # fmt: off
+    gl.warp_specialize(
+        [(_consume, (0, q_smem, k_smem, v_smem, x_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                     x_full, x_free, OUT, LSE, LO, HI, q_row0, q_row_last, head, num_tiles, kv_start,
+                     full_start, full_end, tma_last, qk_scale, softcap_log2, stride_ot, stride_oh,
+                     HQ, HALF, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE)),
+         (_consume, (1, q_smem, k_smem, v_smem, x_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                     x_full, x_free, OUT, LSE, LO, HI, q_row0, q_row_last, head, num_tiles, kv_start,
+                     full_start, full_end, tma_last, qk_scale, softcap_log2, stride_ot, stride_oh,
+                     HQ, HALF, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE)),
+         (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+                    v_empty, q_row0, head * HEAD_DIM, num_tiles, kv_start, tma_row0, tma_last,
+                    (head // GROUP) * HEAD_DIM, ZERO, HALF, TWO, BLOCK_N, STAGES))],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
+    # fmt: on
+
+
+def launch(q, k, v, plan, sched, out, lse, qk_scale: float, softcap_log2: float, softcap: bool,
+           stages: int) -> None:  # fmt: skip
+    """Launch over packed ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]`` (see ``uses_gluon``)
+    with the step's tile schedule of ``ROWS``-query tiles."""
+    from .schedule import INFO
+
+    assert sched.block_m == ROWS.value
+    hq, d = q.shape[1], q.shape[2]
+    half = d // 2
+    grid = (sched.num_tiles * hq,)
+    attn_fwd_gluon_split[grid](
+        descriptor(q, ROWS.value, half), descriptor(k, sched.block_n, half),
+        descriptor(v, sched.block_n, half), out, lse if lse is not None else out, plan.lo, plan.hi,
+        sched.info, out.stride(0), out.stride(1), qk_scale, softcap_log2, HQ=hq,
+        GROUP=hq // k.shape[1], HEAD_DIM=d, BLOCK_N=sched.block_n, STAGES=stages, SOFTCAP=softcap,
+        RETURN_LSE=lse is not None, N_INFO=len(INFO), CONSUMER_REGS=240, PRODUCER_REGS=24,
+        num_warps=4,
+    )  # fmt: skip
