@@ -109,29 +109,45 @@ def _sdpa_unavailable(sc, plan, q):
     return None
 
 
-def _sdpa_make(plan, q, k, v, scale):
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def _sdpa_efficient_unavailable(sc, plan, q):
+    if q.shape[-1] <= 256:
+        return "flash runs head_dim <= 256 (sdpa-flash-causal); this peer is for larger ones"
+    return _sdpa_unavailable(sc, plan, q)
 
-    cu_k = plan.cu_seqlens_k.tolist()
-    parts = [(plan.seq_slice(i), slice(cu_k[i], cu_k[i + 1])) for i in range(plan.num_seqs)]
 
-    def run():
-        # on CUDA, flash only: no silent fallback to a slower SDPA kernel
-        ctx = sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if q.is_cuda else contextlib.nullcontext()
-        with ctx:
-            outs = [
-                F.scaled_dot_product_attention(
-                    *(x.transpose(0, 1)[None] for x in (q[r], k[c], v[c])),
-                    is_causal=True,
-                    scale=scale,
-                    enable_gqa=True,
-                )[0].transpose(0, 1)
-                for r, c in parts
-            ]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+def _sdpa_maker(backend: str):
+    """SDPA's built-in causal mask per sequence on one of its CUDA kernels, never a silent
+    fallback to another: ``flash`` (head_dim <= 256, GQA native) or ``efficient`` (any head_dim;
+    no GQA, so the K/V heads are repeated once, outside the timed call)."""
 
-    return run
+    def make(plan, q, k, v, scale):
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        kernel = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
+        gqa = backend == "flash"
+        if not gqa:
+            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+        cu_k = plan.cu_seqlens_k.tolist()
+        parts = [(plan.seq_slice(i), slice(cu_k[i], cu_k[i + 1])) for i in range(plan.num_seqs)]
+
+        def run():
+            ctx = sdpa_kernel([kernel]) if q.is_cuda else contextlib.nullcontext()
+            with ctx:
+                outs = [
+                    F.scaled_dot_product_attention(
+                        *(x.transpose(0, 1)[None] for x in (q[r], k[c], v[c])),
+                        is_causal=True,
+                        scale=scale,
+                        enable_gqa=gqa,
+                    )[0].transpose(0, 1)
+                    for r, c in parts
+                ]
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+        return run
+
+    return make
 
 
 def _fa4_unavailable(sc, plan, q):
@@ -173,7 +189,8 @@ def items(names=None) -> list[Item]:
     out = [backend_item(n) for n in backends.BACKENDS if n != "reference"]
     out += [
         Item("flex+create_block_mask", "peer", _flex_cbm_unavailable, _flex_cbm_make, _flex_cbm_planning),
-        Item("sdpa-flash-causal", "peer", _sdpa_unavailable, _sdpa_make, None),
+        Item("sdpa-flash-causal", "peer", _sdpa_unavailable, _sdpa_maker("flash"), None),
+        Item("sdpa-efficient-causal", "peer", _sdpa_efficient_unavailable, _sdpa_maker("efficient"), None),
         Item("fa4-builtin", "peer", _fa4_unavailable, _fa4_make, None, exact=_plain_causal),
     ]
     return [i for i in out if names is None or i.name in names]
