@@ -101,7 +101,7 @@ def gluon_stats(cfg: Config, d: int) -> dict:
             sig[name] = desc(module.ROWS.value if name == "q_desc" else cfg.block_n)
         else:
             sig[name] = {"OUT": "*bf16", "LSE": "*fp32", "qk_scale": "fp32", "softcap_log2": "fp32"}.get(
-                name, "i32" if name.startswith("stride_") else "*i32"
+                name, "i32" if name.startswith("stride_") or "_head_" in name else "*i32"
             )
     const = {
         "HQ": 16, "GROUP": 2, "HEAD_DIM": d, "BLOCK_N": cfg.block_n, "STAGES": cfg.num_stages,

@@ -22,13 +22,13 @@ import random
 import time
 
 import torch
+from compiled_kernels import compile_counts
 from triton.testing import do_bench
 from triton_peers import flex_fn, flex_time, sdpa_time
 
 import spanattn as sa
 from spanattn.backends import triton as tb
 from spanattn.backends.triton import configs as tcfg
-from spanattn.backends.triton import kernel as tk
 from spanattn.backends.triton.schedule import tile_schedule
 from spanattn.bench.report import environment
 from spanattn.oracle import Truth
@@ -114,23 +114,6 @@ def part_check(res, dims=(64, 96, 128, 256, 512)):
     for r in bad:
         print("  FAIL", r)
     res["check"] = {"cases": len(rows), "failed": len(bad), "rows": rows}
-
-
-def compile_counts():
-    """Compiled variants so far of every kernel a prefill step launches: planning's interval
-    kernel, the tile schedule's and the attention kernel."""
-    from spanattn import intervals_triton
-    from spanattn.backends.triton import kernel_gluon, kernel_gluon_split, schedule_triton
-
-    kernels = {"attn_fwd": tk.attn_fwd, "attn_fwd_gluon": kernel_gluon.attn_fwd_gluon,
-               "attn_fwd_gluon_split": kernel_gluon_split.attn_fwd_gluon_split,
-               "schedule": schedule_triton._tile_info_kernel,
-               "intervals": intervals_triton._intervals_kernel}  # fmt: skip
-    counts = {}
-    for name, fn in kernels.items():
-        caches = getattr(fn, "device_caches", {})
-        counts[name] = sum(len(c[0]) for c in caches.values())
-    return counts
 
 
 def random_batch(rng):

@@ -180,6 +180,13 @@ def main(argv=None):
             print(f"{n:6d} tokens {len(spans):3d} images  {impl:9s} " + ", ".join(
                 f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()))  # fmt: skip
     accuracy = check_fp32(model, text_cfg, sizes[0], shape, device, tails) if args.check else None
+    if device.type == "cuda" and backend == "triton":  # which prefill kernels the layers ran
+        from compiled_kernels import compile_counts
+
+        kernels = {k: n for k, n in compile_counts().items() if k.startswith("attn_fwd")}
+        print("prefill kernels compiled:", kernels)
+    else:
+        kernels = None
     report = {
         "what": "prefill of a Gemma-4-shaped Gemma4Model with image spans: spanattn vs transformers SDPA",
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -193,6 +200,7 @@ def main(argv=None):
         "timing": f"median of {args.repeats} after {args.warmup} warm-up, use_cache=True (DynamicCache)",
         "results": rows,
         "accuracy": accuracy,
+        "prefill_kernels_compiled": kernels,
     }
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

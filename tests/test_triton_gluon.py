@@ -119,3 +119,30 @@ def test_sequences_never_read_each_others_keys(d):
     middle = sa.plan(sa.Batch(seqs[1:2]), sa.LayerMask(spans="off"))
     qc, kc, vc = (t[r].cpu() for t, r in ((q, slice(5, 155)), (k, slice(200, 500)), (v, slice(200, 500))))
     assert_close_to_truth(out[5:155].cpu(), lse[5:155].cpu(), qc, kc, vc, middle, scale=d**-0.5)
+
+
+@hopper_only
+@pytest.mark.parametrize("d", DIMS)
+def test_head_major_kv_and_fused_qkv_rows(d):
+    """K/V as transformers' cache holds them (each head's tokens one after another, inside a
+    longer buffer) and q as rows of a fused QKV projection: TMA reads them in place."""
+    from spanattn.backends import triton as tb
+    from spanattn.backends.triton.configs import pick_gluon
+
+    layer = LAYERS["on"]
+    p = sa.plan(LONG, layer, device="cuda")
+    q0, k0, v0 = _qkv(p, 8, 2, torch.bfloat16, seed=5, d=d)
+    qkv = torch.full((p.total_q, 12 * d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    qkv[:, : 8 * d] = q0.flatten(1).cuda()
+    q = qkv[:, : 8 * d].view(-1, 8, d)
+
+    def head_major(x):
+        buf = torch.full((x.shape[1], x.shape[0] + 40, d), float("nan"), dtype=x.dtype, device="cuda")
+        buf[:, : x.shape[0]] = x.transpose(0, 1).cuda()
+        return buf[:, : x.shape[0]].transpose(0, 1)
+
+    k, v = head_major(k0), head_major(v0)
+    assert tb.uses_gluon(q, k, v, p, pick_gluon(d, torch.bfloat16))
+    out = torch.full_like(q0, float("nan")).cuda()
+    out, lse = tb.forward(q, k, v, p, scale=d**-0.5, return_lse=True, out=out)
+    assert_close_to_truth(out.cpu(), lse.cpu(), q0, k0, v0, sa.plan(LONG, layer), scale=d**-0.5)

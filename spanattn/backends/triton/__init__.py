@@ -15,6 +15,7 @@ import torch
 
 from .configs import Config, padded_head_dim, pick, pick_gluon
 from .schedule import INFO, tile_schedule
+from .tma_layout import tma_matrix, token_major
 
 LOG2E = 1.4426950408889634
 # SPANATTN_TRITON_GLUON=0 keeps every step on kernel.py (a check against the Gluon kernels, or a
@@ -64,13 +65,6 @@ def _copy_pages(plan, k, v, block_table, page_size: int):
     return bk, bv
 
 
-def _tma_readable(t) -> bool:
-    """Can TMA read ``t [tokens, heads, D]`` as a ``[tokens, heads * D]`` matrix? Each token's
-    heads side by side, 16-byte aligned base and row strides."""
-    aligned = t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-    return t.stride(1) == t.shape[-1] and aligned
-
-
 def uses_tma(plan, k, v, cfg: Config) -> bool:
     """Read packed K/V tiles through TMA? Needs a config that asks for it, sm_90+ (or the
     interpreter, for tests), 16-byte aligned bases and row strides, each token's heads side by
@@ -83,8 +77,8 @@ def uses_tma(plan, k, v, cfg: Config) -> bool:
     return (
         padded_head_dim(d) == d
         and min(s.kv_len for s in plan.batch.seqs) >= cfg.block_n
-        and _tma_readable(k)
-        and _tma_readable(v)
+        and token_major(k)
+        and token_major(v)
     )
 
 
@@ -95,13 +89,17 @@ GLUON_KERNELS = {(128, 128): "kernel_gluon", (256, 128): "kernel_gluon", (512, 6
 
 def uses_gluon(q, k, v, plan, cfg: Config) -> bool:
     """Run a warp-specialized Gluon kernel (GLUON_KERNELS) on ``cfg``'s tiles? Where one is built
-    for head_dim and ``cfg.block_m``, K/V can go through TMA (``uses_tma``: every sequence at
-    least ``cfg.block_n`` keys, ...), q is bf16/fp16 with each token's heads side by side and
-    16-byte aligned (Q comes by TMA too), and ``gluon_runs_on`` the device."""
+    for head_dim and ``cfg.block_m``, q is bf16/fp16, TMA can read q, k and v (``tma_matrix``:
+    token-major as packed varlen tensors are, or head-major as transformers' KV cache is; K and V
+    alike), every sequence is at least ``cfg.block_n`` keys long (a tile never runs past its
+    sequence's end) and ``gluon_runs_on`` the device."""
     name = GLUON_KERNELS.get((q.shape[-1], cfg.block_m))
-    if not (cfg.gluon and name and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
+    if not (cfg.gluon and cfg.tma and name and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
         return False
-    return gluon_runs_on(q.device, name) and _tma_readable(q) and uses_tma(plan, k, v, cfg)
+    if not gluon_runs_on(q.device, name) or min(s.kv_len for s in plan.batch.seqs) < cfg.block_n:
+        return False
+    mq, mk, mv = tma_matrix(q), tma_matrix(k), tma_matrix(v)
+    return None not in (mq, mk, mv) and mk[1:] == mv[1:]
 
 
 def gluon_runs_on(device, name: str = "kernel_gluon") -> bool:

@@ -25,15 +25,23 @@ def checked_triton() -> bool:
     return triton.__version__.startswith(CHECKED_TRITON)
 
 
-def descriptor(t: torch.Tensor, rows: int, cols: int):
-    """A host TMA descriptor of ``t [tokens, heads, D]`` seen as ``[tokens, heads * D]``, read in
-    ``rows x cols`` boxes."""
+def descriptors(q, k, v, q_rows: int, kv_rows: int, cols: int):
+    """Host TMA descriptors of ``q``, ``k``, ``v [tokens, heads, D]`` read in ``q_rows x cols`` /
+    ``kv_rows x cols`` boxes, and where head ``h`` starts in each matrix (tma_layout.py): rows
+    ``h * head_rows`` down, columns ``h * head_cols`` across, for q and for K/V (alike)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
-    flat = t.view(t.shape[0], t.shape[1] * t.shape[2])
-    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], el)
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, cols], layout)
+    from .tma_layout import tma_matrix
+
+    el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
+    mq, mk, mv = tma_matrix(q), tma_matrix(k), tma_matrix(v)
+
+    def desc(m, rows):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], el)
+        return TensorDescriptor(m, list(m.shape), list(m.stride()), [rows, cols], layout)
+
+    boxes = desc(mq.matrix, q_rows), desc(mk.matrix, kv_rows), desc(mv.matrix, kv_rows)
+    return boxes, (mq.head_rows, mq.head_cols, mk.head_rows, mk.head_cols)
 
 
 @gluon.jit

@@ -19,7 +19,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .columns import FULL_END, FULL_START, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST
-from .gluon_parts import descriptor, produce, softmax_step, store_rows
+from .gluon_parts import descriptors, produce, softmax_step, store_rows
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
 ZERO, ONE = gl.constexpr(0), gl.constexpr(1)
@@ -99,9 +99,10 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty
 @gluon.jit
 def attn_fwd_gluon(
     q_desc, k_desc, v_desc, OUT, LSE, LO, HI, TILE_INFO, stride_ot, stride_oh, qk_scale,
-    softcap_log2, HQ: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr,
-    N_INFO: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    softcap_log2, q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, HQ: gl.constexpr,
+    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr, N_INFO: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):  # fmt: skip
     pid = gl.program_id(0)
     tile = pid // HQ
@@ -117,6 +118,7 @@ def attn_fwd_gluon(
     full_end = gl.load(info + FULL_END)
     tma_last = kv_len - BLOCK_N
     num_tiles = (kv_end - kv_start + BLOCK_N - 1) // BLOCK_N
+    kv_head = head // GROUP
 
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
@@ -148,8 +150,9 @@ def attn_fwd_gluon(
                      tma_last, qk_scale, softcap_log2, stride_ot, stride_oh, HQ, HEAD_DIM, BLOCK_N,
                      STAGES, SOFTCAP, RETURN_LSE)),
          (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                    v_empty, q_row0, head * HEAD_DIM, num_tiles, kv_start, tma_row0, tma_last,
-                    (head // GROUP) * HEAD_DIM, ROWS, ZERO, ONE, BLOCK_N, STAGES))],
+                    v_empty, q_row0 + head * q_head_rows, head * q_head_cols, num_tiles, kv_start,
+                    tma_row0 + kv_head * kv_head_rows, tma_last, kv_head * kv_head_cols,
+                    ROWS, ZERO, ONE, BLOCK_N, STAGES))],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
     )
@@ -158,17 +161,17 @@ def attn_fwd_gluon(
 
 def launch(q, k, v, plan, sched, out, lse, qk_scale: float, softcap_log2: float, softcap: bool,
            stages: int) -> None:  # fmt: skip
-    """Launch over packed ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]`` (see ``uses_gluon``)
+    """Launch over ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]`` (see ``uses_gluon``)
     with the step's tile schedule of ``2 * ROWS``-query tiles."""
     from .schedule import INFO
 
     assert sched.block_m == 2 * ROWS.value
     hq, d = q.shape[1], q.shape[2]
     grid = (sched.num_tiles * hq,)
+    boxes, heads_at = descriptors(q, k, v, ROWS.value, sched.block_n, d)
     attn_fwd_gluon[grid](
-        descriptor(q, ROWS.value, d), descriptor(k, sched.block_n, d), descriptor(v, sched.block_n, d), out,
-        lse if lse is not None else out, plan.lo, plan.hi, sched.info, out.stride(0), out.stride(1),
-        qk_scale, softcap_log2, HQ=hq, GROUP=hq // k.shape[1], HEAD_DIM=d, BLOCK_N=sched.block_n,
-        STAGES=stages, SOFTCAP=softcap, RETURN_LSE=lse is not None, N_INFO=len(INFO),
-        CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4,
+        *boxes, out, lse if lse is not None else out, plan.lo, plan.hi, sched.info, out.stride(0),
+        out.stride(1), qk_scale, softcap_log2, *heads_at, HQ=hq, GROUP=hq // k.shape[1], HEAD_DIM=d,
+        BLOCK_N=sched.block_n, STAGES=stages, SOFTCAP=softcap, RETURN_LSE=lse is not None,
+        N_INFO=len(INFO), CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4,
     )  # fmt: skip

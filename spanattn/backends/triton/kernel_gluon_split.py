@@ -20,7 +20,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .columns import FULL_END, FULL_START, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST
-from .gluon_parts import descriptor, produce, softmax_step, store_rows
+from .gluon_parts import descriptors, produce, softmax_step, store_rows
 
 ROWS = gl.constexpr(64)  # query rows per tile, held by both consumers
 ZERO, TWO = gl.constexpr(0), gl.constexpr(2)
@@ -110,9 +110,10 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, k_ready,
 @gluon.jit
 def attn_fwd_gluon_split(
     q_desc, k_desc, v_desc, OUT, LSE, LO, HI, TILE_INFO, stride_ot, stride_oh, qk_scale,
-    softcap_log2, HQ: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr,
-    N_INFO: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    softcap_log2, q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, HQ: gl.constexpr,
+    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr, N_INFO: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):  # fmt: skip
     pid = gl.program_id(0)
     tile = pid // HQ
@@ -128,6 +129,7 @@ def attn_fwd_gluon_split(
     full_end = gl.load(info + FULL_END)
     tma_last = kv_len - BLOCK_N
     num_tiles = (kv_end - kv_start + BLOCK_N - 1) // BLOCK_N
+    kv_head = head // GROUP
 
     HALF: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = q_desc.dtype
@@ -166,8 +168,9 @@ def attn_fwd_gluon_split(
                      full_start, full_end, tma_last, qk_scale, softcap_log2, stride_ot, stride_oh,
                      HQ, HALF, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE)),
          (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                    v_empty, q_row0, head * HEAD_DIM, num_tiles, kv_start, tma_row0, tma_last,
-                    (head // GROUP) * HEAD_DIM, ZERO, HALF, TWO, BLOCK_N, STAGES))],
+                    v_empty, q_row0 + head * q_head_rows, head * q_head_cols, num_tiles, kv_start,
+                    tma_row0 + kv_head * kv_head_rows, tma_last, kv_head * kv_head_cols,
+                    ZERO, HALF, TWO, BLOCK_N, STAGES))],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
     )
@@ -176,19 +179,17 @@ def attn_fwd_gluon_split(
 
 def launch(q, k, v, plan, sched, out, lse, qk_scale: float, softcap_log2: float, softcap: bool,
            stages: int) -> None:  # fmt: skip
-    """Launch over packed ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]`` (see ``uses_gluon``)
+    """Launch over ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]`` (see ``uses_gluon``)
     with the step's tile schedule of ``ROWS``-query tiles."""
     from .schedule import INFO
 
     assert sched.block_m == ROWS.value
     hq, d = q.shape[1], q.shape[2]
-    half = d // 2
     grid = (sched.num_tiles * hq,)
+    boxes, heads_at = descriptors(q, k, v, ROWS.value, sched.block_n, d // 2)
     attn_fwd_gluon_split[grid](
-        descriptor(q, ROWS.value, half), descriptor(k, sched.block_n, half),
-        descriptor(v, sched.block_n, half), out, lse if lse is not None else out, plan.lo, plan.hi,
-        sched.info, out.stride(0), out.stride(1), qk_scale, softcap_log2, HQ=hq,
-        GROUP=hq // k.shape[1], HEAD_DIM=d, BLOCK_N=sched.block_n, STAGES=stages, SOFTCAP=softcap,
-        RETURN_LSE=lse is not None, N_INFO=len(INFO), CONSUMER_REGS=240, PRODUCER_REGS=24,
-        num_warps=4,
+        *boxes, out, lse if lse is not None else out, plan.lo, plan.hi, sched.info, out.stride(0),
+        out.stride(1), qk_scale, softcap_log2, *heads_at, HQ=hq, GROUP=hq // k.shape[1], HEAD_DIM=d,
+        BLOCK_N=sched.block_n, STAGES=stages, SOFTCAP=softcap, RETURN_LSE=lse is not None,
+        N_INFO=len(INFO), CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4,
     )  # fmt: skip
