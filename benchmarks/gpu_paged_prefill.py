@@ -4,8 +4,9 @@ one GPU in one call.
     python benchmarks/gpu_paged_prefill.py --out $OUT/paged_prefill.json
 
 paged: S1-S3 (DESIGN.md section 5; bf16, Hq 16 / Hkv 8) with K/V written into a paged cache
-    whose pages are scattered at random (page 16 and 128). At page 16 also both ways of reading
-    pages smaller than a key tile (walk them in place / copy them out first) and the copy alone.
+    whose pages are scattered at random (page 16 and 128), and both ways of reading them (walk
+    them in place / copy them out first, which lets TMA and the Gluon kernels read them) and the
+    copy alone.
     The paged output must equal the contiguous one bit for bit where both run one tile config
     (pages copied out, d256; d128 walks pages on its pointer-load config), and a down-scaled
     copy of each step is checked against fp64 truth under err <= 2 * err(same-dtype reference)
@@ -69,17 +70,17 @@ def qkv(plan, d, dtype=torch.bfloat16, seed=0):
 def both_ways(q, kc, vc, table, p, page, ref, t_contig):
     """The in-place walk and the copy-out path timed side by side, and the copy alone."""
     res = {}
-    saved = tb.GATHER_PAIRS_PER_KEY
+    rule = tb.copies_pages
     try:
-        for name, threshold in (("walk", float("inf")), ("copy", 0)):
-            tb.GATHER_PAIRS_PER_KEY = threshold
+        for name, copies in (("walk", False), ("copy", True)):
+            tb.copies_pages = lambda *args, copies=copies, **kwargs: copies
             fn = partial(sa.attention, q, kc, vc, p, block_table=table, backend="triton")
             equal = bool(torch.equal(fn(), ref))
             res[f"{name}_ms"] = t = do_bench(fn, rep=200)
             res[f"{name}_over_contiguous"] = t / t_contig
             res[f"{name}_bit_equal"] = equal
     finally:
-        tb.GATHER_PAIRS_PER_KEY = saved
+        tb.copies_pages = rule
     flat = (kc.flatten(0, 1), vc.flatten(0, 1))
     res["copy_only_ms"] = do_bench(lambda: tb._copy_pages(p, *flat, table, page), rep=200)
     res["copy_bytes"] = 4 * p.total_k * kc.shape[2] * kc.shape[3] * kc.element_size()
@@ -135,12 +136,11 @@ def main():
                 "contiguous_ms": t_contig, "paged_ms": t_paged,
                 "paged_over_contiguous": t_paged / t_contig,
                 "paged_tflops": flops / t_paged / 1e9, "contiguous_tflops": flops / t_contig / 1e9,
-                "copies_pages": tb.gathers_pages(p, page, walk_cfg.block_n, HQ // HKV, d),
+                "copies_pages": tb.copies_pages(q, p, page, walk_cfg.block_n, HKV),
                 "bit_equal": bool(torch.equal(out, ref)),
                 "check_small": check_small(small[sid], d, page, gen),
             }  # fmt: skip
-            if page < 128:  # both ways of reading small pages, whatever the default picks
-                row.update(both_ways(q, kc, vc, table, p, page, ref, t_contig))
+            row.update(both_ways(q, kc, vc, table, p, page, ref, t_contig))  # whatever the default picks
             res["rows"].append(row)
             print(
                 f"{sid} d{d} page {page}: contiguous {t_contig:.3f} ms, paged {t_paged:.3f} ms "

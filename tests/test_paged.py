@@ -231,6 +231,22 @@ def test_which_steps_copy_pages_out():
         assert got == {"S0": True, "S1": d == 128, "S2": True, "S3": False}
 
 
+def test_pages_are_copied_out_for_the_gluon_kernels():
+    """Where a Gluon kernel would read the copy (sm_90, bf16, sequences long enough), a paged
+    prefill step copies its pages even where ``gathers_pages`` would walk them (S3 over 128-token
+    pages); elsewhere that rule decides."""
+    from spanattn.backends import triton as tb
+    from spanattn.scenarios import scenarios
+
+    sc = scenarios()["S3"]
+    p = sa.plan(sc.batch, sc.layer, device=DEV)
+    q = torch.empty(p.total_q, 16, 256, dtype=torch.bfloat16, device=DEV)
+    assert not tb.gathers_pages(p, 128, 64, 2, 256)
+    assert tb.copies_pages(q, p, 128, 64, 8) == tb.gluon_runs_on(q.device)
+    assert not tb.copies_pages(q, p, 128, 64, 8, may_use_gluon=False)
+    assert not tb.copies_pages(q.float(), p, 128, 64, 8)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_replays_new_steps():
     from spanattn.backends.triton.decode import decode_forward

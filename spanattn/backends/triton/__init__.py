@@ -52,6 +52,18 @@ def gathers_pages(plan, page_size: int, block_n: int, group: int = 1, head_dim: 
     return pairs * group * 128 >= threshold * plan.total_k * head_dim
 
 
+def copies_pages(q, plan, page_size: int, block_n: int, hkv: int, may_use_gluon: bool = True) -> bool:
+    """Does a paged prefill step copy its pages out (``_copy_pages``) before attending? Where a
+    Gluon kernel would run on the copy (``gluon_runs_for``): against it the walk in place took
+    1.20-1.49x the contiguous time at pages of 16 and 128 where the copy took 1.01-1.23x (S1-S3,
+    results/2026-11-29-paged-prefill-h200-s6.json); elsewhere as ``gathers_pages`` says for
+    ``block_n``-key tiles walking the pages."""
+    gcfg = pick_gluon(q.shape[-1], q.dtype) if may_use_gluon else None
+    if gcfg is not None and gluon_runs_for(q, plan, gcfg):
+        return True
+    return gathers_pages(plan, page_size, block_n, q.shape[1] // hkv, q.shape[-1])
+
+
 def _copy_pages(plan, k, v, block_table, page_size: int):
     """The step's keys and values out of flat pages into packed buffers kept on the plan: every
     layer of the step reuses them (no allocation per call; the content is overwritten)."""
@@ -88,18 +100,25 @@ GLUON_KERNELS = {(128, 128): "kernel_gluon", (256, 128): "kernel_gluon", (512, 6
 
 
 def uses_gluon(q, k, v, plan, cfg: Config) -> bool:
-    """Run a warp-specialized Gluon kernel (GLUON_KERNELS) on ``cfg``'s tiles? Where one is built
-    for head_dim and ``cfg.block_m``, q is bf16/fp16, TMA can read q, k and v (``tma_matrix``:
-    token-major as packed varlen tensors are, or head-major as transformers' KV cache is; K and V
-    alike), every sequence is at least ``cfg.block_n`` keys long (a tile never runs past its
-    sequence's end) and ``gluon_runs_on`` the device."""
+    """Run a warp-specialized Gluon kernel (GLUON_KERNELS) on ``cfg``'s tiles? Where
+    ``gluon_runs_for`` q and the plan, and TMA can read k and v (``tma_matrix``: token-major as
+    packed varlen tensors are, or head-major as transformers' KV cache is; K and V alike)."""
+    if not gluon_runs_for(q, plan, cfg):
+        return False
+    mk, mv = tma_matrix(k), tma_matrix(v)
+    return None not in (mk, mv) and mk[1:] == mv[1:]
+
+
+def gluon_runs_for(q, plan, cfg: Config) -> bool:
+    """Everything ``uses_gluon`` asks but K/V's layout: a Gluon kernel built for head_dim and
+    ``cfg.block_m``, q bf16/fp16 and TMA-readable, every sequence at least ``cfg.block_n`` keys
+    long (a tile never runs past its sequence's end), and ``gluon_runs_on`` the device."""
     name = GLUON_KERNELS.get((q.shape[-1], cfg.block_m))
     if not (cfg.gluon and cfg.tma and name and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
         return False
     if not gluon_runs_on(q.device, name) or min(s.kv_len for s in plan.batch.seqs) < cfg.block_n:
         return False
-    mq, mk, mv = tma_matrix(q), tma_matrix(k), tma_matrix(v)
-    return None not in (mq, mk, mv) and mk[1:] == mv[1:]
+    return tma_matrix(q) is not None
 
 
 def gluon_runs_on(device, name: str = "kernel_gluon") -> bool:
@@ -224,8 +243,7 @@ def forward(
         if not page_size:
             raise ValueError("paged K/V needs page_size")
         block_table = block_table.to(torch.int32)
-        # decided on the tiles that would walk the pages (pointer loads, no TMA)
-        if gathers_pages(plan, page_size, choose(False).block_n, hq // hkv, d):
+        if copies_pages(q, plan, page_size, choose(False).block_n, hkv, config is None):
             k, v = _copy_pages(plan, k, v, block_table, page_size)
             paged = False
     if out is None:
