@@ -64,7 +64,9 @@ WINDOW_CONFIGS = {
 # kernel_gluon.py's 128-query tiles split in rows over its two consumer warpgroups at d128 (S0
 # 496 -> 618 TFLOP/s, S1 373 -> 405 over the triton kernel: bench-h200-s5 vs s6) and d256 (2
 # stages fit; S0 532 -> 623, S1 389 -> 434: triton-h200-s11-d256-gluon.json), and
-# kernel_gluon_split.py's 64-query tiles split in head_dim at d512.
+# kernel_gluon_split.py's 64-query tiles split in head_dim at d512 (32-key tiles in 2 stages, 213
+# KB: S5 272 -> 392; 64-key tiles in one stage 315, 16-key in four 288:
+# triton-h200-s12-d512-gluon.json).
 GLUON_CONFIGS = {
     128: Config(128, 128, 8, 3, tma=True, gluon=True),
     256: Config(128, 64, 8, 2, tma=True, gluon=True),
