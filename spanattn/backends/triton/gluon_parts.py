@@ -18,6 +18,8 @@ CHECKED_TRITON = ("3.6.",)
 
 # TMA's global-to-shared copy: ``async_copy_global_to_shared`` in triton 3.6, ``async_load`` later.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# A barrier over the calling partition's warps: ``thread_barrier`` in triton 3.6, ``barrier`` later.
+partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 def checked_triton() -> bool:

@@ -20,7 +20,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .columns import FULL_END, FULL_START, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST
-from .gluon_parts import descriptors, produce, softmax_step, store_rows
+from .gluon_parts import descriptors, partition_barrier, produce, softmax_step, store_rows
 
 ROWS = gl.constexpr(64)  # query rows per tile, held by both consumers
 ZERO, TWO = gl.constexpr(0), gl.constexpr(2)
@@ -79,11 +79,11 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, k_ready,
         # happen before the one thread that arrives signals them.
         mbarrier.wait(x_free.index(PART), (t - 1) & 1, pred=t > 0)
         mine.store(s)
-        gl.thread_barrier()
+        partition_barrier()
         mbarrier.arrive(x_full.index(PART))
         mbarrier.wait(x_full.index(1 - PART), t & 1)
         s = s + theirs.load(s_layout)
-        gl.thread_barrier()
+        partition_barrier()
         mbarrier.arrive(x_free.index(1 - PART))
 
         p_f, alpha_s, m_i, l_i = softmax_step(
