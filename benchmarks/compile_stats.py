@@ -79,7 +79,7 @@ def stats(cfg: Config, d: int, paged: int = 0) -> dict:
     return _report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts))
 
 
-def gluon_stats(cfg: Config, d: int) -> dict:
+def gluon_stats(cfg: Config, d: int, page: int = 0) -> dict:
     import importlib
 
     from triton.experimental.gluon import language as gl
@@ -98,15 +98,15 @@ def gluon_stats(cfg: Config, d: int) -> dict:
         if param.annotation is not inspect.Parameter.empty:
             sig[name] = "constexpr"
         elif name.endswith("_desc"):
-            sig[name] = desc(module.ROWS.value if name == "q_desc" else cfg.block_n)
+            sig[name] = desc(module.ROWS.value if name == "q_desc" else min(page or cfg.block_n, cfg.block_n))
         else:
             sig[name] = {"OUT": "*bf16", "LSE": "*fp32", "qk_scale": "fp32", "softcap_log2": "fp32"}.get(
                 name, "i32" if name.startswith("stride_") or "_head_" in name else "*i32"
             )
     const = {
         "HQ": 16, "GROUP": 2, "HEAD_DIM": d, "BLOCK_N": cfg.block_n, "STAGES": cfg.num_stages,
-        "SOFTCAP": False, "RETURN_LSE": False, "N_INFO": len(INFO), "CONSUMER_REGS": 240,
-        "PRODUCER_REGS": 24,
+        "SOFTCAP": False, "RETURN_LSE": False, "N_INFO": len(INFO), "PAGE": page,
+        "CONSUMER_REGS": 240, "PRODUCER_REGS": 24,
     }  # fmt: skip
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=const)
     return _report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}))
@@ -142,8 +142,8 @@ def shipped() -> list[tuple[int, Config, int]]:
     packed K/V (TMA) and their pointer-load forms over 16-token pages."""
     out = []
     for d in (64, 128, 256, 512):
-        if pick_gluon(d, torch.bfloat16):
-            out.append((d, pick_gluon(d, torch.bfloat16), 0))
+        if pick_gluon(d, torch.bfloat16):  # on packed K/V and reading 16-token pages
+            out += [(d, pick_gluon(d, torch.bfloat16), 0), (d, pick_gluon(d, torch.bfloat16), 16)]
         kinds = {pick(d, torch.bfloat16, False), pick(d, torch.bfloat16, False, window=1024)}
         for cfg in sorted(kinds, key=repr):
             out.append((d, cfg, 0))
@@ -161,7 +161,7 @@ def main():
     a = ap.parse_args()
     if a.shipped:
         for d, cfg, page in shipped():
-            r = gluon_stats(cfg, d) if cfg.gluon else stats(cfg, d, page)
+            r = gluon_stats(cfg, d, page) if cfg.gluon else stats(cfg, d, page)
             print(json.dumps({"d": d, "config": asdict(cfg), "page": page, **r}), flush=True)
         return
     if not a.configs:
@@ -169,7 +169,7 @@ def main():
     for text in a.configs:
         v = [int(x) for x in text.split(",")]
         cfg = Config(*v[:4], *(bool(x) if i != 1 else x for i, x in enumerate(v[4:])))
-        r = gluon_stats(cfg, a.d) if cfg.gluon else stats(cfg, a.d, a.paged)
+        r = gluon_stats(cfg, a.d, a.paged) if cfg.gluon else stats(cfg, a.d, a.paged)
         flag = "  WGMMA SERIALIZED" if r["wgmma_serialized"] else ""
         flag += "  WGMMA WAIT INJECTED" if r["wgmma_wait_injected"] else ""
         kb = r["shared_bytes"] / 1024

@@ -146,3 +146,34 @@ def test_head_major_kv_and_fused_qkv_rows(d):
     out = torch.full_like(q0, float("nan")).cuda()
     out, lse = tb.forward(q, k, v, p, scale=d**-0.5, return_lse=True, out=out)
     assert_close_to_truth(out.cpu(), lse.cpu(), q0, k0, v0, sa.plan(LONG, layer), scale=d**-0.5)
+
+
+@hopper_only
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("page", [16, 64, 256])
+@pytest.mark.parametrize("layer", [LAYERS["on"], LAYERS["W37-clamp"]], ids=["on", "W37-clamp"])
+def test_reads_a_paged_cache_in_place(d, page, layer):
+    """Pages scattered at random, NaN in every slot no sequence owns (also past each sequence's
+    end inside its last page, which the last key tile reads and must zero before P @ V)."""
+    from spanattn.backends import triton as tb
+    from spanattn.backends.triton.configs import pick_gluon
+    from spanattn.cache import slot_mapping
+
+    p = sa.plan(LONG, layer, device="cuda")
+    q, k, v = _qkv(p, 8, 2, torch.bfloat16, seed=7, d=d)
+    g = torch.Generator().manual_seed(1)
+    need = [-(-s.kv_len // page) for s in LONG.seqs]
+    ids = torch.randperm(sum(need) + 2, generator=g)
+    bt = torch.zeros(len(need), max(need) + 1, dtype=torch.int32)
+    for i, n in enumerate(need):
+        bt[i, :n] = ids[sum(need[:i]) : sum(need[: i + 1])]
+    bt = bt.cuda()
+    kc = torch.full((len(ids), page, 2, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    vc = torch.full_like(kc, float("nan"))
+    keys = sa.plan(sa.Batch([sa.Seq(q_len=s.kv_len) for s in LONG.seqs]), sa.LayerMask(), device="cuda")
+    sa.write_kv_cache(k.cuda(), v.cuda(), kc, vc, slot_mapping(keys, bt, page))
+    kf, vf, qc = kc.flatten(0, 1), vc.flatten(0, 1), q.cuda()
+    assert tb.gluon_reads_pages(qc, kf, vf, p, pick_gluon(d, torch.bfloat16), page)
+    out = torch.full_like(qc, float("nan"))
+    out, lse = tb.forward(qc, kc, vc, p, scale=d**-0.5, return_lse=True, out=out, block_table=bt)
+    assert_close_to_truth(out.cpu(), lse.cpu(), q, k, v, sa.plan(LONG, layer), scale=d**-0.5)

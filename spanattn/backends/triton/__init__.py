@@ -53,9 +53,10 @@ def gathers_pages(plan, page_size: int, block_n: int, group: int = 1, head_dim: 
 
 
 def copies_pages(q, plan, page_size: int, block_n: int, hkv: int, may_use_gluon: bool = True) -> bool:
-    """Does a paged prefill step copy its pages out (``_copy_pages``) before attending? Where a
-    Gluon kernel would run on the copy (``gluon_runs_for``): against it the walk in place took
-    1.20-1.49x the contiguous time at pages of 16 and 128 where the copy took 1.01-1.23x (S1-S3,
+    """Does a paged prefill step that no Gluon kernel reads in place (``gluon_reads_pages``: odd
+    page sizes) copy its pages out (``_copy_pages``) before attending? Where a Gluon kernel would
+    run on the copy (``gluon_runs_for``): against it the triton kernel's walk took 1.20-1.49x the
+    contiguous time at pages of 16 and 128 where the copy took 1.01-1.23x (S1-S3,
     results/2026-11-29-paged-prefill-h200-s6.json); elsewhere as ``gathers_pages`` says for
     ``block_n``-key tiles walking the pages."""
     gcfg = pick_gluon(q.shape[-1], q.dtype) if may_use_gluon else None
@@ -107,6 +108,18 @@ def uses_gluon(q, k, v, plan, cfg: Config) -> bool:
         return False
     mk, mv = tma_matrix(k), tma_matrix(v)
     return None not in (mk, mv) and mk[1:] == mv[1:]
+
+
+def gluon_reads_pages(q, k, v, plan, cfg: Config, page_size: int) -> bool:
+    """Run a Gluon kernel straight on a paged cache (flat ``k, v [pages * page_size, Hkv, D]``)?
+    Where ``uses_gluon`` would on packed K/V, the cache holds each token's heads side by side,
+    and a page holds whole key tiles or a tile whole pages, in multiples of 8 rows (TMA boxes of
+    ``min(page_size, block_n)`` rows, each inside one page, in the shared-memory layout's 8-row
+    swizzle atoms)."""
+    sub = min(page_size, cfg.block_n)
+    if page_size % 8 or max(page_size, cfg.block_n) % sub or not uses_gluon(q, k, v, plan, cfg):
+        return False
+    return tma_matrix(k).head_rows == 0
 
 
 def gluon_runs_for(q, plan, cfg: Config) -> bool:
@@ -238,14 +251,6 @@ def forward(
     head_dim = padded_head_dim(d)
     choose = lambda tma: config or pick(d, q.dtype, kmod.INTERPRETED, plan.layer.window, tma)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    paged = block_table is not None
-    if paged:
-        if not page_size:
-            raise ValueError("paged K/V needs page_size")
-        block_table = block_table.to(torch.int32)
-        if copies_pages(q, plan, page_size, choose(False).block_n, hkv, config is None):
-            k, v = _copy_pages(plan, k, v, block_table, page_size)
-            paged = False
     if out is None:
         out = torch.empty(total_q, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device) if return_lse else None
@@ -253,14 +258,29 @@ def forward(
         qk_scale, softcap_log2 = scale / softcap, softcap * LOG2E
     else:
         qk_scale, softcap_log2 = scale * LOG2E, 1.0
+    paged = block_table is not None
+    if paged:
+        if not page_size:
+            raise ValueError("paged K/V needs page_size")
+        block_table = block_table.to(torch.int32)
+        block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     gcfg = config if config is not None else pick_gluon(d, q.dtype)
-    if gcfg is not None and gcfg.gluon:
-        if not paged and uses_gluon(q, k, v, plan, gcfg):
+    gcfg = gcfg if gcfg is not None and gcfg.gluon else None
+    gluon_pages = paged and gcfg is not None and gluon_reads_pages(q, k, v, plan, gcfg, page_size)
+    if (
+        paged
+        and not gluon_pages
+        and copies_pages(q, plan, page_size, choose(False).block_n, hkv, config is None)
+    ):
+        k, v = _copy_pages(plan, k, v, block_table, page_size)
+        paged = False
+    if gcfg is not None:
+        if gluon_pages or (not paged and uses_gluon(q, k, v, plan, gcfg)):
             sched = tile_schedule(plan, gcfg.block_m, gcfg.block_n, lpt)
-            kernel = _gluon_module(GLUON_KERNELS[(d, gcfg.block_m)])
-            kernel.launch(
-                q, k, v, plan, sched, out, lse, qk_scale, softcap_log2, bool(softcap), gcfg.num_stages
-            )
+            _gluon_module(GLUON_KERNELS[(d, gcfg.block_m)]).launch(
+                q, k, v, plan, sched, out, lse, qk_scale, softcap_log2, bool(softcap), gcfg.num_stages,
+                block_table=block_table if gluon_pages else None, page_size=page_size or 0,
+            )  # fmt: skip
             return out, lse
         if config is not None:
             raise ValueError(f"config {config} asks for a Gluon kernel, which cannot run here (uses_gluon)")

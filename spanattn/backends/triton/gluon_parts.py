@@ -8,7 +8,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 # Triton versions the Gluon kernels were checked on, on an H200. Gluon is experimental and
 # changes between releases (triton 3.9 renamed the TMA copy); the kernels compile for sm_90 on
@@ -48,30 +48,85 @@ def descriptors(q, k, v, q_rows: int, kv_rows: int, cols: int):
 
 @gluon.jit
 def produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-            v_empty, q_row0, q_col, num_tiles, kv_start, tma_row0, tma_last, kv_col,
-            Q_ROW_STEP: gl.constexpr, Q_COL_STEP: gl.constexpr, PIECES: gl.constexpr,
-            BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+            v_empty, v_loaded, q_row0, q_col, num_tiles, kv_start, tma_row0, tma_last, kv_col,
+            pages, kv_len, Q_ROW_STEP: gl.constexpr, Q_COL_STEP: gl.constexpr,
+            PIECES: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+            PAGE: gl.constexpr):  # fmt: skip
     """The producer warp. Q once, as two boxes ``Q_ROW_STEP`` rows / ``Q_COL_STEP`` columns apart;
     then K (V) tile ``t``, as ``PIECES`` boxes side by side, into K (V) slot ``t % STAGES`` (shared
     memory index ``slot * PIECES + piece``) as soon as both consumers released the tile that held
-    it before. The tile across the sequence end is read shifted back to end with the sequence;
-    Q rows past it read the next rows (never stored)."""
+    it before. Q rows past the sequence end read the next rows (never stored). Packed K/V
+    (``PAGE`` 0): the tile across the sequence end is read shifted back to end with the sequence.
+    Paged K/V: see ``_load_tile``; that tile's values past the end are zeroed before the
+    consumers may read them (``v_loaded`` holds them back until then)."""
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     for i in gl.static_range(2):
         tma_load(q_desc, [q_row0 + i * Q_ROW_STEP, q_col + i * Q_COL_STEP], q_bar, q_smem.index(i))
-    width: gl.constexpr = k_desc.block_type.shape[1]
+    boxes: gl.constexpr = PIECES * (BLOCK_N // k_desc.block_type.shape[0])
     for t in range(num_tiles):
         slot = t % STAGES
         reuse = (t // STAGES - 1) & 1
-        row = tma_row0 + gl.minimum(kv_start + t * BLOCK_N, tma_last)
+        n = kv_start + t * BLOCK_N
         mbarrier.wait(k_empty.index(slot), reuse, pred=t >= STAGES)
-        mbarrier.expect(k_ready.index(slot), PIECES * k_desc.block_type.nbytes)
-        for i in gl.static_range(PIECES):
-            tma_load(k_desc, [row, kv_col + i * width], k_ready.index(slot), k_smem.index(slot * PIECES + i))
+        mbarrier.expect(k_ready.index(slot), boxes * k_desc.block_type.nbytes)
+        _load_tile(k_desc, k_ready.index(slot), k_smem, slot, n, tma_row0, tma_last, kv_col, pages,
+                   kv_len, PIECES, BLOCK_N, PAGE)  # fmt: skip
         mbarrier.wait(v_empty.index(slot), reuse, pred=t >= STAGES)
-        mbarrier.expect(v_ready.index(slot), PIECES * v_desc.block_type.nbytes)
+        past_end = False
+        if PAGE != 0:
+            past_end = n + BLOCK_N > kv_len
+        if past_end:  # paged: keys past the end are masked, but their values must be finite
+            mbarrier.expect(v_loaded, boxes * v_desc.block_type.nbytes)
+            _load_tile(v_desc, v_loaded, v_smem, slot, n, tma_row0, tma_last, kv_col, pages,
+                       kv_len, PIECES, BLOCK_N, PAGE)  # fmt: skip
+            mbarrier.wait(v_loaded, 0)  # at most one such tile per program
+            _zero_rows_from(v_smem, slot, kv_len - n, PIECES, BLOCK_N)
+            fence_async_shared()  # generic-proxy stores before the consumers' MMAs read them
+            partition_barrier()
+            mbarrier.arrive(v_ready.index(slot))
+        else:
+            mbarrier.expect(v_ready.index(slot), boxes * v_desc.block_type.nbytes)
+            _load_tile(v_desc, v_ready.index(slot), v_smem, slot, n, tma_row0, tma_last, kv_col,
+                       pages, kv_len, PIECES, BLOCK_N, PAGE)  # fmt: skip
+
+
+@gluon.jit
+def _load_tile(desc, bar, smem, slot, n, tma_row0, tma_last, kv_col, pages, kv_len,
+               PIECES: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr):  # fmt: skip
+    """Keys (values) ``n ... n + BLOCK_N`` into ``smem`` slot ``slot``. Packed: one box per
+    piece, the tile shifted back to end with the sequence. Paged (``PAGE`` tokens per page, the
+    sequence's page numbers at ``pages``): boxes of ``min(PAGE, BLOCK_N)`` rows, each inside one
+    page; a box starting past the sequence's end reads its last box again (never used)."""
+    width: gl.constexpr = desc.block_type.shape[1]
+    if PAGE == 0:
+        row = tma_row0 + gl.minimum(n, tma_last)
         for i in gl.static_range(PIECES):
-            tma_load(v_desc, [row, kv_col + i * width], v_ready.index(slot), v_smem.index(slot * PIECES + i))
+            tma_load(desc, [row, kv_col + i * width], bar, smem.index(slot * PIECES + i))
+    else:
+        sub: gl.constexpr = desc.block_type.shape[0]
+        for j in gl.static_range(BLOCK_N // sub):
+            pos = gl.minimum(n + j * sub, (kv_len - 1) // sub * sub)
+            row = gl.load(pages + pos // PAGE) * PAGE + pos % PAGE
+            for i in gl.static_range(PIECES):
+                dst = smem.index(slot * PIECES + i).slice(j * sub, sub)
+                tma_load(desc, [row, kv_col + i * width], bar, dst)
+
+
+@gluon.jit
+def _zero_rows_from(smem, slot, valid, PIECES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Rows ``valid ...`` of the tile in ``smem`` slot ``slot`` set to zero, in 8 x 64 chunks (one
+    warp: a few registers)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+    width: gl.constexpr = smem.shape[2]
+    for j in gl.static_range(BLOCK_N // 8):
+        if j * 8 + 8 > valid:
+            rows = j * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
+            keep = gl.expand_dims(rows < valid, 1)
+            for i in gl.static_range(PIECES):
+                for c in gl.static_range(width // 64):
+                    chunk = smem.index(slot * PIECES + i).slice(j * 8, 8).slice(c * 64, 64, dim=1)
+                    x = chunk.load(layout)
+                    chunk.store(gl.where(keep, x, gl.zeros_like(x)))
 
 
 @gluon.jit

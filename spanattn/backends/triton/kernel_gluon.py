@@ -18,7 +18,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .columns import FULL_END, FULL_START, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST
+from .columns import FULL_END, FULL_START, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST, SEQ
 from .gluon_parts import descriptors, produce, softmax_step, store_rows
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
@@ -99,10 +99,10 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty
 @gluon.jit
 def attn_fwd_gluon(
     q_desc, k_desc, v_desc, OUT, LSE, LO, HI, TILE_INFO, stride_ot, stride_oh, qk_scale,
-    softcap_log2, q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, HQ: gl.constexpr,
-    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr, N_INFO: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    softcap_log2, q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, BT, stride_bt,
+    HQ: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr, N_INFO: gl.constexpr,
+    PAGE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):  # fmt: skip
     pid = gl.program_id(0)
     tile = pid // HQ
@@ -116,7 +116,12 @@ def attn_fwd_gluon(
     kv_end = gl.load(info + KV_END)
     full_start = gl.load(info + FULL_START)
     full_end = gl.load(info + FULL_END)
-    tma_last = kv_len - BLOCK_N
+    # Packed K/V: the tile across the sequence end is read shifted back to here. Paged: in place.
+    if PAGE == 0:
+        tma_last = kv_len - BLOCK_N
+    else:
+        tma_last = kv_len
+    pages = BT + gl.load(info + SEQ).to(gl.int64) * stride_bt  # the sequence's page numbers
     num_tiles = (kv_end - kv_start + BLOCK_N - 1) // BLOCK_N
     kv_head = head // GROUP
 
@@ -129,7 +134,9 @@ def attn_fwd_gluon(
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_loaded = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
+    mbarrier.init(v_loaded, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -150,9 +157,9 @@ def attn_fwd_gluon(
                      tma_last, qk_scale, softcap_log2, stride_ot, stride_oh, HQ, HEAD_DIM, BLOCK_N,
                      STAGES, SOFTCAP, RETURN_LSE)),
          (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                    v_empty, q_row0 + head * q_head_rows, head * q_head_cols, num_tiles, kv_start,
-                    tma_row0 + kv_head * kv_head_rows, tma_last, kv_head * kv_head_cols,
-                    ROWS, ZERO, ONE, BLOCK_N, STAGES))],
+                    v_empty, v_loaded, q_row0 + head * q_head_rows, head * q_head_cols, num_tiles,
+                    kv_start, tma_row0 + kv_head * kv_head_rows, tma_last, kv_head * kv_head_cols,
+                    pages, kv_len, ROWS, ZERO, ONE, BLOCK_N, STAGES, PAGE))],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
     )
@@ -160,18 +167,22 @@ def attn_fwd_gluon(
 
 
 def launch(q, k, v, plan, sched, out, lse, qk_scale: float, softcap_log2: float, softcap: bool,
-           stages: int) -> None:  # fmt: skip
-    """Launch over ``q [total_q, Hq, D]``, ``k, v [total_k, Hkv, D]`` (see ``uses_gluon``)
+           stages: int, block_table=None, page_size: int = 0) -> None:  # fmt: skip
+    """Launch over ``q [total_q, Hq, D]`` and ``k, v [total_k, Hkv, D]`` (see ``uses_gluon``), or
+    flat paged caches ``k, v [num_pages * page_size, Hkv, D]`` read through ``block_table``,
     with the step's tile schedule of ``2 * ROWS``-query tiles."""
     from .schedule import INFO
 
     assert sched.block_m == 2 * ROWS.value
     hq, d = q.shape[1], q.shape[2]
     grid = (sched.num_tiles * hq,)
-    boxes, heads_at = descriptors(q, k, v, ROWS.value, sched.block_n, d)
+    kv_rows = min(page_size, sched.block_n) if block_table is not None else sched.block_n
+    boxes, heads_at = descriptors(q, k, v, ROWS.value, kv_rows, d)
+    paged = (block_table, block_table.stride(0)) if block_table is not None else (plan.seq_lens, 0)
     attn_fwd_gluon[grid](
         *boxes, out, lse if lse is not None else out, plan.lo, plan.hi, sched.info, out.stride(0),
-        out.stride(1), qk_scale, softcap_log2, *heads_at, HQ=hq, GROUP=hq // k.shape[1], HEAD_DIM=d,
-        BLOCK_N=sched.block_n, STAGES=stages, SOFTCAP=softcap, RETURN_LSE=lse is not None,
-        N_INFO=len(INFO), CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4,
+        out.stride(1), qk_scale, softcap_log2, *heads_at, *paged, HQ=hq, GROUP=hq // k.shape[1],
+        HEAD_DIM=d, BLOCK_N=sched.block_n, STAGES=stages, SOFTCAP=softcap, RETURN_LSE=lse is not None,
+        N_INFO=len(INFO), PAGE=page_size if block_table is not None else 0, CONSUMER_REGS=240,
+        PRODUCER_REGS=24, num_warps=4,
     )  # fmt: skip
