@@ -1,6 +1,7 @@
 """What the two Gluon prefill kernels share (kernel_gluon.py splits a 128-query tile's rows over
 two consumer warpgroups, kernel_gluon_split.py a 64-query tile's head_dim): the TMA producer
-warp, one tile's online-softmax step and the epilogue. Hopper (sm_90) only."""
+warp (packed or paged K/V), one tile's online-softmax step and the epilogue. Hopper (sm_90)
+only."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from .tma_layout import tma_matrix
 
 # Triton versions the Gluon kernels were checked on, on an H200. Gluon is experimental and
 # changes between releases (triton 3.9 renamed the TMA copy); the kernels compile for sm_90 on
@@ -32,8 +35,6 @@ def descriptors(q, k, v, q_rows: int, kv_rows: int, cols: int):
     ``kv_rows x cols`` boxes, and where head ``h`` starts in each matrix (tma_layout.py): rows
     ``h * head_rows`` down, columns ``h * head_cols`` across, for q and for K/V (alike)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from .tma_layout import tma_matrix
 
     el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
     mq, mk, mv = tma_matrix(q), tma_matrix(k), tma_matrix(v)

@@ -1,6 +1,7 @@
-"""The prefill kernel in Gluon (Triton's explicit-layout dialect) for Hopper: the same tiles,
-schedule and interval masks as kernel.py, laid out as FlashAttention-3 does it: a one-warp
-producer streams K and V tiles by TMA into two rings of ``STAGES`` shared-memory slots, and two
+"""The prefill kernel in Gluon (Triton's explicit-layout dialect) for Hopper at head_dim 128 and
+256 (512: kernel_gluon_split.py): the same tiles, schedule and interval masks as kernel.py, laid
+out as FlashAttention-3 does it: a one-warp producer (gluon_parts.produce; packed K/V or the
+pages of a paged cache) streams K and V tiles by TMA into two rings of ``STAGES`` shared-memory slots, and two
 4-warp consumers (64 query rows each) run their softmax of a tile while the tensor cores do the
 previous tile's P @ V. No barrier couples the two consumers: each releases a slot by arriving on
 its ``empty`` barrier, so one consumer's softmax overlaps the other's MMAs as well. K and V
