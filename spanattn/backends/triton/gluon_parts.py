@@ -11,6 +11,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+from .columns import FULL_END, FULL_START, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST, SEQ
 from .tma_layout import tma_matrix
 
 # Triton versions the Gluon kernels were checked on, on an H200. Gluon is experimental and
@@ -45,6 +46,52 @@ def descriptors(q, k, v, q_rows: int, kv_rows: int, cols: int):
 
     boxes = desc(mq.matrix, q_rows), desc(mk.matrix, kv_rows), desc(mv.matrix, kv_rows)
     return boxes, (mq.head_rows, mq.head_cols, mk.head_rows, mk.head_cols)
+
+
+@gluon.jit
+def tile_walk(TILE_INFO, tile, BT, stride_bt, N_INFO: gl.constexpr, BLOCK_N: gl.constexpr,
+              PAGE: gl.constexpr):  # fmt: skip
+    """Query tile ``tile``'s row of the schedule table (schedule.INFO), read in one round: its
+    first and last query rows, its sequence's first key row (packed) and length, the key walk
+    ``[kv_start, kv_start + num_tiles * BLOCK_N)`` with FULL tiles in ``[full_start, full_end)``,
+    where the tile across the sequence end starts (``tma_last``: shifted back to end with the
+    sequence on packed K/V, read in place over pages) and the sequence's page numbers."""
+    info = TILE_INFO + tile * N_INFO
+    q_row0 = gl.load(info + Q_ROW0)
+    q_row_last = gl.load(info + Q_ROW_LAST)
+    tma_row0 = gl.load(info + K_ROW0)
+    kv_len = gl.load(info + KV_LEN)
+    kv_start = gl.load(info + KV_START)
+    kv_end = gl.load(info + KV_END)
+    full_start = gl.load(info + FULL_START)
+    full_end = gl.load(info + FULL_END)
+    if PAGE == 0:
+        tma_last = kv_len - BLOCK_N
+    else:
+        tma_last = kv_len
+    pages = BT + gl.load(info + SEQ).to(gl.int64) * stride_bt
+    num_tiles = (kv_end - kv_start + BLOCK_N - 1) // BLOCK_N
+    return q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, num_tiles, pages
+
+
+@gluon.jit
+def ring_barriers(STAGES: gl.constexpr):
+    """The mbarriers ``produce`` and the consumers share: Q's, the held-back last V tile's, and per
+    K (V) slot ``ready`` (the TMA transaction) and ``empty`` (one arrival per consumer)."""
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    v_loaded = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(v_loaded, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    return q_bar, v_loaded, k_ready, k_empty, v_ready, v_empty
 
 
 @gluon.jit

@@ -19,8 +19,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .columns import FULL_END, FULL_START, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST, SEQ
-from .gluon_parts import descriptors, partition_barrier, produce, softmax_step, store_rows
+from .gluon_parts import (
+    descriptors,
+    partition_barrier,
+    produce,
+    ring_barriers,
+    softmax_step,
+    store_rows,
+    tile_walk,
+)
 
 ROWS = gl.constexpr(64)  # query rows per tile, held by both consumers
 ZERO, TWO = gl.constexpr(0), gl.constexpr(2)
@@ -118,22 +125,9 @@ def attn_fwd_gluon_split(
     pid = gl.program_id(0)
     tile = pid // HQ
     head = pid % HQ
-    info = TILE_INFO + tile * N_INFO
-    q_row0 = gl.load(info + Q_ROW0)
-    q_row_last = gl.load(info + Q_ROW_LAST)
-    tma_row0 = gl.load(info + K_ROW0)
-    kv_len = gl.load(info + KV_LEN)
-    kv_start = gl.load(info + KV_START)
-    kv_end = gl.load(info + KV_END)
-    full_start = gl.load(info + FULL_START)
-    full_end = gl.load(info + FULL_END)
-    # Packed K/V: the tile across the sequence end is read shifted back to here. Paged: in place.
-    if PAGE == 0:
-        tma_last = kv_len - BLOCK_N
-    else:
-        tma_last = kv_len
-    pages = BT + gl.load(info + SEQ).to(gl.int64) * stride_bt  # the sequence's page numbers
-    num_tiles = (kv_end - kv_start + BLOCK_N - 1) // BLOCK_N
+    q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, num_tiles, pages = (
+        tile_walk(TILE_INFO, tile, BT, stride_bt, N_INFO, BLOCK_N, PAGE)
+    )
     kv_head = head // GROUP
 
     HALF: gl.constexpr = HEAD_DIM // 2
@@ -143,21 +137,9 @@ def attn_fwd_gluon_split(
     k_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_N, HALF], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_N, HALF], v_desc.layout)
     x_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, BLOCK_N], x_layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_loaded = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_bar, v_loaded, k_ready, k_empty, v_ready, v_empty = ring_barriers(STAGES)
     x_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     x_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    mbarrier.init(v_loaded, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
-        mbarrier.init(v_empty.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(x_full.index(i), count=1)  # by the consumer that wrote the half
         mbarrier.init(x_free.index(i), count=1)  # by the consumer that read it
