@@ -177,3 +177,36 @@ def test_reads_a_paged_cache_in_place(d, page, layer):
     out = torch.full_like(qc, float("nan"))
     out, lse = tb.forward(qc, kc, vc, p, scale=d**-0.5, return_lse=True, out=out, block_table=bt)
     assert_close_to_truth(out.cpu(), lse.cpu(), q, k, v, sa.plan(LONG, layer), scale=d**-0.5)
+
+
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("paged", [False, True])
+def test_launch_binds_every_kernel_argument(d, paged):
+    """The host side of a launch, on any machine: the arguments it passes bind to the kernel's
+    signature (none missing, none extra) and the grid has one program per tile and head."""
+    import inspect
+
+    from spanattn.backends.triton import GLUON_KERNELS, _gluon_module
+    from spanattn.backends.triton.configs import pick_gluon
+    from spanattn.backends.triton.schedule import tile_schedule
+
+    cfg = pick_gluon(d, torch.bfloat16)
+    module = _gluon_module(GLUON_KERNELS[(d, cfg.block_m)])
+    kernel = next(v for k, v in vars(module).items() if k.startswith("attn_fwd_gluon"))
+    p = sa.plan(LONG, sa.LayerMask())
+    q, k, v = _qkv(p, 8, 2, torch.bfloat16, d=d)
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
+
+    sched = tile_schedule(p, cfg.block_m, cfg.block_n)
+    table = torch.zeros(len(LONG.seqs), 4, dtype=torch.int32) if paged else None
+    page = 256 if paged else 0
+    module.launch.func(Recorder(), *module.launch.args[1:], q, k, v, p, sched, q.clone(), None,
+                       0.1, 1.0, False, cfg.num_stages, block_table=table, page_size=page)  # fmt: skip
+    ((grid, args, kwargs),) = calls
+    assert grid == (sched.num_tiles * 8,) and kwargs.pop("num_warps") == 4  # a launch option
+    bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
+    assert bound.arguments["PAGE"] == page and bound.arguments["GROUP"] == 4

@@ -48,6 +48,30 @@ def descriptors(q, k, v, q_rows: int, kv_rows: int, cols: int):
     return boxes, (mq.head_rows, mq.head_cols, mk.head_rows, mk.head_cols)
 
 
+def launch(kernel, tile_rows: int, q_rows: int, pieces: int, q, k, v, plan, sched, out, lse,
+           qk_scale: float, softcap_log2: float, softcap: bool, stages: int, block_table=None,
+           page_size: int = 0) -> None:  # fmt: skip
+    """Launch Gluon ``kernel`` (``attn_fwd_gluon``'s arguments) over ``q [total_q, Hq, D]`` and
+    ``k, v [total_k, Hkv, D]`` (see ``uses_gluon``), or flat paged caches ``k, v [num_pages *
+    page_size, Hkv, D]`` read through ``block_table``: one program per ``tile_rows``-query tile of
+    the schedule and head, Q read in ``q_rows``-row boxes, K/V tiles in ``pieces`` boxes side by
+    side (of ``block_n`` rows, or ``min(page_size, block_n)`` over pages)."""
+    from .schedule import INFO
+
+    assert sched.block_m == tile_rows
+    hq, d = q.shape[1], q.shape[2]
+    kv_rows = min(page_size, sched.block_n) if block_table is not None else sched.block_n
+    boxes, heads_at = descriptors(q, k, v, q_rows, kv_rows, d // pieces)
+    paged = (block_table, block_table.stride(0)) if block_table is not None else (plan.seq_lens, 0)
+    kernel[(sched.num_tiles * hq,)](
+        *boxes, out, lse if lse is not None else out, plan.lo, plan.hi, sched.info, out.stride(0),
+        out.stride(1), qk_scale, softcap_log2, *heads_at, *paged, HQ=hq, GROUP=hq // k.shape[1],
+        HEAD_DIM=d, BLOCK_N=sched.block_n, STAGES=stages, SOFTCAP=softcap, RETURN_LSE=lse is not None,
+        N_INFO=len(INFO), PAGE=page_size if block_table is not None else 0, CONSUMER_REGS=240,
+        PRODUCER_REGS=24, num_warps=4,
+    )  # fmt: skip
+
+
 @gluon.jit
 def tile_walk(TILE_INFO, tile, BT, stride_bt, N_INFO: gl.constexpr, BLOCK_N: gl.constexpr,
               PAGE: gl.constexpr):  # fmt: skip

@@ -11,6 +11,8 @@ deferred P @ V, so that two stages keep the next tile's loads ahead of the MMAs.
 
 from __future__ import annotations
 
+import functools
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -19,7 +21,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_parts import descriptors, produce, ring_barriers, softmax_step, store_rows, tile_walk
+from . import gluon_parts as parts
+from .gluon_parts import produce, ring_barriers, softmax_step, store_rows, tile_walk
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
 ZERO, ONE = gl.constexpr(0), gl.constexpr(1)
@@ -141,23 +144,5 @@ def attn_fwd_gluon(
     # fmt: on
 
 
-def launch(q, k, v, plan, sched, out, lse, qk_scale: float, softcap_log2: float, softcap: bool,
-           stages: int, block_table=None, page_size: int = 0) -> None:  # fmt: skip
-    """Launch over ``q [total_q, Hq, D]`` and ``k, v [total_k, Hkv, D]`` (see ``uses_gluon``), or
-    flat paged caches ``k, v [num_pages * page_size, Hkv, D]`` read through ``block_table``,
-    with the step's tile schedule of ``2 * ROWS``-query tiles."""
-    from .schedule import INFO
-
-    assert sched.block_m == 2 * ROWS.value
-    hq, d = q.shape[1], q.shape[2]
-    grid = (sched.num_tiles * hq,)
-    kv_rows = min(page_size, sched.block_n) if block_table is not None else sched.block_n
-    boxes, heads_at = descriptors(q, k, v, ROWS.value, kv_rows, d)
-    paged = (block_table, block_table.stride(0)) if block_table is not None else (plan.seq_lens, 0)
-    attn_fwd_gluon[grid](
-        *boxes, out, lse if lse is not None else out, plan.lo, plan.hi, sched.info, out.stride(0),
-        out.stride(1), qk_scale, softcap_log2, *heads_at, *paged, HQ=hq, GROUP=hq // k.shape[1],
-        HEAD_DIM=d, BLOCK_N=sched.block_n, STAGES=stages, SOFTCAP=softcap, RETURN_LSE=lse is not None,
-        N_INFO=len(INFO), PAGE=page_size if block_table is not None else 0, CONSUMER_REGS=240,
-        PRODUCER_REGS=24, num_warps=4,
-    )  # fmt: skip
+# A 128-query tile, Q read as two 64-row boxes, each K/V tile as one box.
+launch = functools.partial(parts.launch, attn_fwd_gluon, 2 * ROWS.value, ROWS.value, 1)

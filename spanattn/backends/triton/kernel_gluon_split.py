@@ -11,6 +11,8 @@ kernel_gluon.py.
 
 from __future__ import annotations
 
+import functools
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -19,8 +21,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from . import gluon_parts as parts
 from .gluon_parts import (
-    descriptors,
     partition_barrier,
     produce,
     ring_barriers,
@@ -166,23 +168,5 @@ def attn_fwd_gluon_split(
     # fmt: on
 
 
-def launch(q, k, v, plan, sched, out, lse, qk_scale: float, softcap_log2: float, softcap: bool,
-           stages: int, block_table=None, page_size: int = 0) -> None:  # fmt: skip
-    """Launch over ``q [total_q, Hq, D]`` and ``k, v [total_k, Hkv, D]`` (see ``uses_gluon``), or
-    flat paged caches ``k, v [num_pages * page_size, Hkv, D]`` read through ``block_table``,
-    with the step's tile schedule of ``ROWS``-query tiles."""
-    from .schedule import INFO
-
-    assert sched.block_m == ROWS.value
-    hq, d = q.shape[1], q.shape[2]
-    grid = (sched.num_tiles * hq,)
-    kv_rows = min(page_size, sched.block_n) if block_table is not None else sched.block_n
-    boxes, heads_at = descriptors(q, k, v, ROWS.value, kv_rows, d // 2)
-    paged = (block_table, block_table.stride(0)) if block_table is not None else (plan.seq_lens, 0)
-    attn_fwd_gluon_split[grid](
-        *boxes, out, lse if lse is not None else out, plan.lo, plan.hi, sched.info, out.stride(0),
-        out.stride(1), qk_scale, softcap_log2, *heads_at, *paged, HQ=hq, GROUP=hq // k.shape[1],
-        HEAD_DIM=d, BLOCK_N=sched.block_n, STAGES=stages, SOFTCAP=softcap, RETURN_LSE=lse is not None,
-        N_INFO=len(INFO), PAGE=page_size if block_table is not None else 0, CONSUMER_REGS=240,
-        PRODUCER_REGS=24, num_warps=4,
-    )  # fmt: skip
+# A 64-query tile, Q and each K/V tile read as two column halves.
+launch = functools.partial(parts.launch, attn_fwd_gluon_split, ROWS.value, ROWS.value, 2)
