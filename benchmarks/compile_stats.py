@@ -7,13 +7,14 @@ wins the timing.
     python benchmarks/compile_stats.py --d 128 --configs 128,64,4,2,1,1,1 128,128,8,3,0,1,1
     python benchmarks/compile_stats.py --d 128 --paged 128 --configs 128,64,4,2,1,1,0
     python benchmarks/compile_stats.py --d 256 --configs 128,64,8,2,1,1,1,1   # a Gluon kernel
-    python benchmarks/compile_stats.py --shipped   # every config configs.pick hands out, as JSON
+    python benchmarks/compile_stats.py --d 512 --paged 16 --configs 64,32,8,2,0,1,1,1  # over pages
+    python benchmarks/compile_stats.py --shipped   # every variant configs.pick(_gluon) hands out
 
 A config is BLOCK_M,BLOCK_N,num_warps,num_stages,one_loop,dv_split,tma,gluon (configs.Config's
 order; trailing fields may be left out). With gluon set, the Gluon kernel for head_dim and
 BLOCK_M (the triton backend's GLUON_KERNELS) is compiled instead, at BLOCK_N and num_stages (its
 warps are fixed; ptxas reports the launch's registers per thread, which its consumer warps raise
-to 240 with setmaxnreg).
+to 240 with setmaxnreg); with --paged, its producer reads pages of that size.
 Arguments are specialized as in a real launch (16-divisible pointers and strides, bf16, Hq 16 /
 Hkv 8); triton's own ptxas does the assembling. 2026-11-29 on the H200's defaults: d128 4 warps
 255 registers + 116 B spilled, two programs per SM (97 KB shared); d128 8 warps 198-223, no
