@@ -9,7 +9,13 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from .columns import FULL_END, FULL_START, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST, SEQ
 from .tma_layout import tma_matrix
@@ -73,14 +79,17 @@ def launch(kernel, tile_rows: int, q_rows: int, pieces: int, q, k, v, plan, sche
 
 
 @gluon.jit
-def tile_walk(TILE_INFO, tile, BT, stride_bt, N_INFO: gl.constexpr, BLOCK_N: gl.constexpr,
-              PAGE: gl.constexpr):  # fmt: skip
-    """Query tile ``tile``'s row of the schedule table (schedule.INFO), read in one round: its
-    first and last query rows, its sequence's first key row (packed) and length, the key walk
-    ``[kv_start, kv_start + num_tiles * BLOCK_N)`` with FULL tiles in ``[full_start, full_end)``,
-    where the tile across the sequence end starts (``tma_last``: shifted back to end with the
-    sequence on packed K/V, read in place over pages) and the sequence's page numbers."""
-    info = TILE_INFO + tile * N_INFO
+def tile_walk(TILE_INFO, BT, stride_bt, HQ: gl.constexpr, GROUP: gl.constexpr,
+              N_INFO: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr):  # fmt: skip
+    """This program's head, its KV head, and its query tile's row of the schedule table
+    (schedule.INFO), read in one round: the tile's first and last query rows, its sequence's first
+    key row (packed) and length, the key walk ``[kv_start, kv_start + num_tiles * BLOCK_N)`` with
+    FULL tiles in ``[full_start, full_end)``, where the tile across the sequence end starts
+    (``tma_last``: shifted back to end with the sequence on packed K/V, read in place over pages)
+    and the sequence's page numbers."""
+    pid = gl.program_id(0)
+    head = pid % HQ
+    info = TILE_INFO + (pid // HQ) * N_INFO
     q_row0 = gl.load(info + Q_ROW0)
     q_row_last = gl.load(info + Q_ROW_LAST)
     tma_row0 = gl.load(info + K_ROW0)
@@ -95,7 +104,8 @@ def tile_walk(TILE_INFO, tile, BT, stride_bt, N_INFO: gl.constexpr, BLOCK_N: gl.
         tma_last = kv_len
     pages = BT + gl.load(info + SEQ).to(gl.int64) * stride_bt
     num_tiles = (kv_end - kv_start + BLOCK_N - 1) // BLOCK_N
-    return q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, num_tiles, pages
+    walk = (q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, num_tiles)
+    return (head, head // GROUP) + walk + (pages,)
 
 
 @gluon.jit
@@ -199,6 +209,46 @@ def _zero_rows_from(smem, slot, valid, PIECES: gl.constexpr, BLOCK_N: gl.constex
                     chunk = smem.index(slot * PIECES + i).slice(j * 8, 8).slice(c * 64, 64, dim=1)
                     x = chunk.load(layout)
                     chunk.store(gl.where(keep, x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def consumer_start(LO, HI, row0, q_row_last, dtype: gl.constexpr, ROWS: gl.constexpr,
+                   BLOCK_N: gl.constexpr, WIDTH: gl.constexpr):  # fmt: skip
+    """A consumer warpgroup's state before its first key tile, for query rows ``row0 ...`` and
+    ``WIDTH`` output columns: the rows' intervals, the key offsets of a tile, the running max and
+    sum, the rescale factor, the accumulator, p (zero: the first deferred P @ V adds nothing) and
+    the zero scores Q @ K^T starts from. Scores live in wgmma's ``ROWS x BLOCK_N`` accumulator
+    layout, the output in its ``ROWS x WIDTH`` one, p as the A operand of P @ V."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WIDTH, 16]
+    )
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    # Rows past the sequence end copy the last row's interval (as in kernel.py).
+    q_idx = gl.minimum(row0 + gl.arange(0, ROWS, layout=rows_s), q_row_last)
+    lo = gl.load(LO + q_idx)
+    hi = gl.load(HI + q_idx)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_s)
+    l_i = gl.zeros([ROWS], gl.float32, layout=rows_s)
+    alpha = gl.full([ROWS], 1.0, gl.float32, layout=gl.SliceLayout(1, o_layout))
+    acc = gl.zeros([ROWS, WIDTH], gl.float32, layout=o_layout)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p = gl.zeros([ROWS, BLOCK_N], dtype, layout=p_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    return lo, hi, offs_n, m_i, l_i, alpha, acc, p, s_zero
+
+
+@gluon.jit
+def last_pv(acc, alpha, p, v_tile, v_ready, last, STAGES: gl.constexpr):
+    """The last key tile's P @ V, deferred past the loop: ``acc`` rescaled, then ``p @ v_tile``
+    once tile ``last``'s values are in."""
+    acc = acc * gl.expand_dims(alpha, 1)
+    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+    acc = warpgroup_mma(p, v_tile, acc, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=[acc])
 
 
 @gluon.jit

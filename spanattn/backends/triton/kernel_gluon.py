@@ -22,7 +22,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import gluon_parts as parts
-from .gluon_parts import produce, ring_barriers, softmax_step, store_rows, tile_walk
+from .gluon_parts import (
+    consumer_start,
+    last_pv,
+    produce,
+    ring_barriers,
+    softmax_step,
+    store_rows,
+    tile_walk,
+)
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
 ZERO, ONE = gl.constexpr(0), gl.constexpr(1)
@@ -38,29 +46,10 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty
     kernel._softmax), each tile's P @ V issued one tile late so that the next softmax runs
     under it."""
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
     row0 = q_row0 + PART * ROWS
-    # Rows past the sequence end copy the last row's interval (as in kernel.py).
-    q_idx = gl.minimum(row0 + gl.arange(0, ROWS, layout=rows_s), q_row_last)
-    lo = gl.load(LO + q_idx)
-    hi = gl.load(HI + q_idx)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_s)
-    l_i = gl.zeros([ROWS], gl.float32, layout=rows_s)
-    alpha = gl.full([ROWS], 1.0, gl.float32, layout=rows_o)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-    p = gl.zeros([ROWS, BLOCK_N], dtype, layout=p_layout)
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    lo, hi, offs_n, m_i, l_i, alpha, acc, p, s_zero = consumer_start(
+        LO, HI, row0, q_row_last, dtype, ROWS, BLOCK_N, HEAD_DIM
+    )
     q = q_smem.index(PART)
     mbarrier.wait(q_bar, 0)
 
@@ -82,18 +71,15 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty
             s, m_i, l_i, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale, softcap_log2,
             BLOCK_N, SOFTCAP,
         )  # fmt: skip
-        alpha = gl.convert_layout(alpha_s, rows_o)
-        p = gl.convert_layout(p_f.to(dtype), p_layout)
+        alpha = gl.convert_layout(alpha_s, alpha.type.layout)
+        p = gl.convert_layout(p_f.to(dtype), p.type.layout)
 
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         # The previous tile's values are read: hand its slot back to the producer.
         mbarrier.arrive(v_empty.index(prev), pred=t > 0)
 
-    acc = acc * gl.expand_dims(alpha, 1)
     last = num_tiles - 1
-    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-    acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    acc = last_pv(acc, alpha, p, v_smem.index(last % STAGES), v_ready, last, STAGES)
 
     store_rows(acc, m_i, l_i, OUT, LSE, row0, q_row_last, head, 0, stride_ot, stride_oh, HQ, ROWS,
                RETURN_LSE)  # fmt: skip
@@ -107,13 +93,8 @@ def attn_fwd_gluon(
     STAGES: gl.constexpr, SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr, N_INFO: gl.constexpr,
     PAGE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):  # fmt: skip
-    pid = gl.program_id(0)
-    tile = pid // HQ
-    head = pid % HQ
-    q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, num_tiles, pages = (
-        tile_walk(TILE_INFO, tile, BT, stride_bt, N_INFO, BLOCK_N, PAGE)
-    )
-    kv_head = head // GROUP
+    head, kv_head, q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, \
+        num_tiles, pages = tile_walk(TILE_INFO, BT, stride_bt, HQ, GROUP, N_INFO, BLOCK_N, PAGE)  # fmt: skip
 
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)

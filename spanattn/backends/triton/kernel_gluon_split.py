@@ -23,6 +23,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import gluon_parts as parts
 from .gluon_parts import (
+    consumer_start,
+    last_pv,
     partition_barrier,
     produce,
     ring_barriers,
@@ -43,27 +45,9 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, k_ready,
              SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr):  # fmt: skip
     """Columns ``PART * HALF ...`` of the tile's 64 query rows."""
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    lo, hi, offs_n, m_i, l_i, alpha, acc, p, s_zero = consumer_start(
+        LO, HI, q_row0, q_row_last, dtype, ROWS, BLOCK_N, HALF
     )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
-    )
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    q_idx = gl.minimum(q_row0 + gl.arange(0, ROWS, layout=rows_s), q_row_last)
-    lo = gl.load(LO + q_idx)
-    hi = gl.load(HI + q_idx)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_s)
-    l_i = gl.zeros([ROWS], gl.float32, layout=rows_s)
-    alpha = gl.full([ROWS], 1.0, gl.float32, layout=rows_o)
-    acc = gl.zeros([ROWS, HALF], gl.float32, layout=o_layout)
-    p = gl.zeros([ROWS, BLOCK_N], dtype, layout=p_layout)
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     q = q_smem.index(PART)
     mine = x_smem.index(PART)
     theirs = x_smem.index(1 - PART)
@@ -91,7 +75,7 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, k_ready,
         partition_barrier()
         mbarrier.arrive(x_full.index(PART))
         mbarrier.wait(x_full.index(1 - PART), t & 1)
-        s = s + theirs.load(s_layout)
+        s = s + theirs.load(s.type.layout)
         partition_barrier()
         mbarrier.arrive(x_free.index(1 - PART))
 
@@ -99,17 +83,14 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, k_ready,
             s, m_i, l_i, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale, softcap_log2,
             BLOCK_N, SOFTCAP,
         )  # fmt: skip
-        alpha = gl.convert_layout(alpha_s, rows_o)
-        p = gl.convert_layout(p_f.to(dtype), p_layout)
+        alpha = gl.convert_layout(alpha_s, alpha.type.layout)
+        p = gl.convert_layout(p_f.to(dtype), p.type.layout)
 
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         mbarrier.arrive(v_empty.index(prev), pred=t > 0)
 
-    acc = acc * gl.expand_dims(alpha, 1)
     last = num_tiles - 1
-    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-    acc = warpgroup_mma(p, v_smem.index(2 * (last % STAGES) + PART), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    acc = last_pv(acc, alpha, p, v_smem.index(2 * (last % STAGES) + PART), v_ready, last, STAGES)
 
     # Both consumers hold the same row maxima and sums: one writes the LSE.
     store_rows(acc, m_i, l_i, OUT, LSE, q_row0, q_row_last, head, PART * HALF, stride_ot, stride_oh,
@@ -124,13 +105,8 @@ def attn_fwd_gluon_split(
     STAGES: gl.constexpr, SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr, N_INFO: gl.constexpr,
     PAGE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):  # fmt: skip
-    pid = gl.program_id(0)
-    tile = pid // HQ
-    head = pid % HQ
-    q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, num_tiles, pages = (
-        tile_walk(TILE_INFO, tile, BT, stride_bt, N_INFO, BLOCK_N, PAGE)
-    )
-    kv_head = head // GROUP
+    head, kv_head, q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, \
+        num_tiles, pages = tile_walk(TILE_INFO, BT, stride_bt, HQ, GROUP, N_INFO, BLOCK_N, PAGE)  # fmt: skip
 
     HALF: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = q_desc.dtype
