@@ -13,17 +13,22 @@ from spanattn.backends import fa4
 from spanattn.tiles import packed_intervals
 
 
+def interval_mask_mod(kv, lo, width):
+    """The kernel's mask_mod in int64: ``kv - lo`` and ``width`` compared as uint32."""
+    u32 = lambda x: x.long() & 0xFFFFFFFF
+    return u32(kv - lo.long()) <= u32(width)
+
+
 def emulate_fa4_mask(plan, head_dim: int) -> torch.Tensor:
     """Boolean ``[total_q, total_k]``: what FA4 computes from the sparse inputs. Per query tile
     it visits the listed PARTIAL tiles with ``mask_mod`` and the FULL tiles without it; every
     other key tile is never loaded."""
-    t, (lo, hi) = fa4.sparse_inputs(plan, head_dim)
+    t, aux = fa4.sparse_inputs(plan, head_dim)
     rows, num_rows = fa4.query_rows(plan)
     bm, bn = t.BLOCK_M, t.BLOCK_N
     assert t.kv_num_blocks.shape[0] * bm == -(-num_rows // bm) * bm
     cols = t.kv_indices.shape[1] * bn
-    kv = torch.arange(cols)
-    mask_mod = (kv[None, :] >= lo[:, None].long()) & (kv[None, :] <= hi[:, None].long())
+    mask_mod = interval_mask_mod(torch.arange(cols)[None, :], *(a[:, None] for a in aux))
     got = torch.zeros(t.kv_num_blocks.shape[0] * bm, cols, dtype=torch.bool)
     for m in range(t.kv_num_blocks.shape[0]):
         r = slice(m * bm, (m + 1) * bm)
@@ -73,9 +78,10 @@ def test_kv_tile_follows_fa4_sm90_tiles():
     assert [fa4._kv_tile(d) for d in (64, 128, 160, 192, 256)] == [128, 128, 112, 112, 80]
     assert fa4._kv_tile(256, windowed=True) == 64  # FA4's own local path at d256
     plan = sa.plan(sa.Batch([sa.Seq(300, spans=[(20, 150)])]), sa.LayerMask(spans="on"))
-    t, (lo, hi) = fa4.sparse_inputs(plan, 256)
-    assert (t.BLOCK_M, t.BLOCK_N) == (128, 80) and lo.shape == hi.shape == (512,)
-    assert bool((lo[300:] > hi[300:]).all())  # padding rows: empty interval
+    t, (lo, width) = fa4.sparse_inputs(plan, 256)
+    assert (t.BLOCK_M, t.BLOCK_N) == (128, 80) and lo.shape == width.shape == (512,)
+    keys = torch.tensor([0, 1, 299, 2**31 - 2])[None, :]  # padding rows: empty interval
+    assert not interval_mask_mod(keys, lo[300:, None], width[300:, None]).any()
     assert fa4.sparse_inputs(plan, 256)[0] is t  # cached on the plan
 
 
