@@ -8,6 +8,9 @@ check: correctness grid (bf16/fp16, D 64/128/256, GQA 1/2/8, windows, span modes
 count: FA4 kernel compilations over random steps (lengths, spans, flags, batch size change).
 mixed: a serving step (prefill chunks with images, 64 decode rows, canvases): fa4 vs triton.
 alternate: fa4 and FA4's built-in timed in alternation over several rounds (--scenarios S1).
+anatomy: where the sparse path's time goes on S1: the same machinery on the plain window mask
+    (the built-in's own mask), and again with every visited tile marked FULL (the mask never
+    evaluated: a timing control, its output is wrong), each in alternation with the built-in.
 bench: scenarios S0-S4: the fa4 backend against FA4's built-in causal/window mask on the same
     step (the speed of light: it ignores spans), FA4 with the interval mask_mod and no block
     sparsity (the shape vLLM's mm_prefix path runs), and our triton backend.
@@ -16,6 +19,7 @@ bench: scenarios S0-S4: the fa4 backend against FA4's built-in causal/window mas
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import random
@@ -216,6 +220,64 @@ def part_alternate(res, log, ids, rounds=9):
     res["alternate"] = rows
 
 
+def _sparse(p, q, k, v, scale, tables=None):
+    """The sparse path's FA4 call with the given tile tables (default: the plan's own)."""
+    from flash_attn.cute import flash_attn_func
+
+    t, aux = fa4.sparse_inputs(p, q.shape[-1])
+    kw = {"softmax_scale": scale, "causal": False, "pack_gqa": fa4._pack_gqa(q, k)}
+    kw |= {"mask_mod": fa4._interval_mask_mod(), "aux_tensors": aux}
+    kw["block_sparse_tensors"] = fa4._block_sparse(tables or t)
+    return lambda: flash_attn_func(q[None], k[None], v[None], **kw)
+
+
+def _all_full(t):
+    """The same visited tiles, every one listed FULL: FA4 then never evaluates the mask."""
+    m, n = t.kv_indices.shape
+    col = torch.arange(n, device=t.kv_indices.device)[None]
+    seen = torch.zeros(m, n + 1, dtype=torch.bool, device=col.device)
+    for cnt, idx in ((t.kv_num_blocks, t.kv_indices), (t.full_kv_num_blocks, t.full_kv_indices)):
+        seen.scatter_(1, torch.where(col < cnt[:, None], idx.long(), n), True)
+    grid = seen[:, :n].to(torch.int32)
+    idx = torch.argsort(grid, dim=-1, descending=True, stable=True).to(torch.int32)
+    return dataclasses.replace(
+        t, kv_num_blocks=torch.zeros_like(t.kv_num_blocks), kv_indices=idx,
+        full_kv_num_blocks=grid.sum(-1, dtype=torch.int32), full_kv_indices=idx,
+    )  # fmt: skip
+
+
+def part_anatomy(res, log, rounds=7):
+    """S1's sparse path taken apart, each variant timed in alternation with FA4's built-in."""
+    sc = scenarios(1)["S1"]
+    rows = []
+    for d in sc.head_dims:
+        p = sa.plan(sc.batch, sc.layer, device=DEV)
+        plain = sa.plan(sc.batch, sa.LayerMask(window=sc.layer.window, spans="off"), device=DEV)
+        q, k, v = rand_qkv(p, HQ, HKV, d, torch.bfloat16)
+        scale = d**-0.5
+        fns = {
+            "fa4 (ours), S1 mask": _sparse(p, q, k, v, scale),
+            "sparse path, plain window mask": _sparse(plain, q, k, v, scale),
+            "sparse path, plain window, mask never evaluated": _sparse(
+                plain, q, k, v, scale, _all_full(fa4.sparse_inputs(plain, d)[0])
+            ),
+            "sparse path, S1 tiles, mask never evaluated": _sparse(
+                p, q, k, v, scale, _all_full(fa4.sparse_inputs(p, d)[0])
+            ),
+        }
+        builtin = _fa4_builtin(p, q, k, v, scale)
+        row = {"d": d}
+        for name, fn in fns.items():
+            ratios = []
+            for _ in range(rounds):
+                a, b = kernel_ms(fn, DEV), kernel_ms(builtin, DEV)
+                ratios.append(b / a)
+            row[name] = {"ratios": ratios, "median": statistics.median(ratios)}
+            log(f"anatomy S1 d{d} {name}: built-in / this time {row[name]['median']:.3f}")
+        rows.append(row)
+    res["anatomy"] = rows
+
+
 def mixed_step():
     """A serving step: two prefill chunks with images, 64 decode rows, four diffusion canvases."""
     rnd = random.Random(3)
@@ -249,6 +311,7 @@ def main():
     ap.add_argument("--scenarios", default="S0,S1,S2,S3,S4")
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="check: d128 bf16 GQA 2 only")
+    ap.add_argument("--rounds", type=int, default=9, help="alternate: rounds per scenario")
     args = ap.parse_args()
     import flash_attn
 
@@ -267,7 +330,8 @@ def main():
         "count": part_count,
         "bench": lambda r, lg: part_bench(r, lg, ids),
         "mixed": part_mixed,
-        "alternate": lambda r, lg: part_alternate(r, lg, ids),
+        "alternate": lambda r, lg: part_alternate(r, lg, ids, args.rounds),
+        "anatomy": part_anatomy,
     }
     for name in args.parts.split(","):
         parts[name](res, log)
