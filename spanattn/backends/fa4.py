@@ -8,8 +8,8 @@ Two paths, picked per plan:
 - sparse: otherwise the packed step is ONE sequence of queries by ``total_k`` keys (as in the
   flex backend) with an interval ``mask_mod`` (``alo[q] <= kv <= ahi[q]``, read from aux
   tensors as ``alo`` and ``ahi - alo``: one unsigned compare per score) and FA4 block-sparse
-  tensors made from tile tables at FA4's own tile shape: FULL
-  tiles run without the mask, PARTIAL tiles run ``mask_mod``, the rest are never loaded.
+  tensors made from tile tables at FA4's own tile shape: FULL tiles run without the mask,
+  PARTIAL tiles run ``mask_mod``, the rest are never loaded.
   Intervals never leave their sequence, so no sequence-id check is needed. Each sequence's
   queries start on a query-tile boundary (padding rows with an empty interval where a length is
   not a multiple of the tile): a tile shared by many short sequences (decode rows beside a
