@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import batches, layers
+from test_tiles import packed_dense
 
 import spanattn as sa
 from spanattn.backends import fa4
-from spanattn.tiles import packed_intervals
 
 
 def interval_mask_mod(kv, lo, width):
@@ -22,11 +22,11 @@ def interval_mask_mod(kv, lo, width):
 def emulate_fa4_mask(plan, head_dim: int) -> torch.Tensor:
     """Boolean ``[total_q, total_k]``: what FA4 computes from the sparse inputs. Per query tile
     it visits the listed PARTIAL tiles with ``mask_mod`` and the FULL tiles without it; every
-    other key tile is never loaded."""
+    other key tile is never loaded. Rows and keys are read back from the aligned layout."""
     t, aux = fa4.sparse_inputs(plan, head_dim)
-    rows, num_rows = fa4.query_rows(plan)
+    layout = fa4.sparse_layout(plan, head_dim)
     bm, bn = t.BLOCK_M, t.BLOCK_N
-    assert t.kv_num_blocks.shape[0] * bm == -(-num_rows // bm) * bm
+    assert t.kv_num_blocks.shape[0] * bm == -(-layout.q.num // bm) * bm
     cols = t.kv_indices.shape[1] * bn
     mask_mod = interval_mask_mod(torch.arange(cols)[None, :], *(a[:, None] for a in aux))
     got = torch.zeros(t.kv_num_blocks.shape[0] * bm, cols, dtype=torch.bool)
@@ -36,19 +36,15 @@ def emulate_fa4_mask(plan, head_dim: int) -> torch.Tensor:
             got[r, n * bn : (n + 1) * bn] = mask_mod[r, n * bn : (n + 1) * bn]
         for n in t.full_kv_indices[m, : t.full_kv_num_blocks[m]].tolist():
             got[r, n * bn : (n + 1) * bn] = True
-    got = got[:, : plan.total_k]
-    if rows is None:
-        return got[: plan.total_q]
+    rows = torch.arange(plan.total_q) if layout.q.rows is None else layout.q.rows
+    keys = torch.arange(plan.total_k) if layout.k.rows is None else layout.k.rows
     padding = torch.ones(got.shape[0], dtype=torch.bool)
     padding[rows] = False
     assert not got[padding].any()  # padding rows see nothing
-    return got[rows]
-
-
-def packed_dense(plan) -> torch.Tensor:
-    alo, ahi = packed_intervals(plan)
-    kv = torch.arange(plan.total_k)
-    return (kv[None, :] >= alo[:, None]) & (kv[None, :] <= ahi[:, None])
+    gap = torch.ones(cols, dtype=torch.bool)
+    gap[keys] = False
+    assert not got[:, gap].any()  # nor do rows see the zeros between sequences
+    return got[rows][:, keys]
 
 
 @settings(max_examples=40, deadline=None)
@@ -58,19 +54,21 @@ def test_sparse_lowering_is_the_plans_mask(batch, layer, head_dim):
     assert torch.equal(emulate_fa4_mask(plan, head_dim), packed_dense(plan))
 
 
-def test_each_sequence_gets_its_own_query_tiles():
+def test_each_sequence_gets_its_own_tiles():
     """Decode rows beside a chunk: packed, one tile would hold all 40 decode rows and walk the
-    keys of all 40 sequences; laid out per sequence, no tile walks more than its own."""
+    keys of all 40 sequences, and key tiles would straddle sequences; laid out per sequence, no
+    tile holds two sequences and no query tile walks more than its own keys."""
     seqs = [sa.Seq(q_len=300, kv_len=900, spans=[(400, 699)])] + [sa.Seq(1, kv_len=1000)] * 40
     plan = sa.plan(sa.Batch(seqs), sa.LayerMask(spans="on"))
-    rows, num_rows = fa4.query_rows(plan)
-    assert num_rows == 384 + 40 * 128 and rows[:300].tolist() == list(range(300))
-    assert rows[300:].tolist() == [384 + 128 * i for i in range(40)]
+    layout = fa4.sparse_layout(plan, 128)
+    assert layout.q.num == 384 + 40 * 128 and layout.q.rows[:300].tolist() == list(range(300))
+    assert layout.q.rows[300:].tolist() == [384 + 128 * i for i in range(40)]
+    assert layout.k.rows[900:902].tolist() == [1024, 1025] and layout.k.num == 1024 + 40 * 1024
     t, _ = fa4.sparse_inputs(plan, 128)
     per_tile = t.kv_num_blocks + t.full_kv_num_blocks
-    assert int(per_tile.max()) <= 9  # ceil(1000 / 128) + 1 straddled block, never 40 sequences'
+    assert int(per_tile.max()) <= 8  # ceil(1000 / 128), never 40 sequences'
     aligned = sa.plan(sa.Batch([sa.Seq(256), sa.Seq(5)]), sa.LayerMask(spans="on"))
-    assert fa4.query_rows(aligned) == (None, 261)  # only the last sequence may end mid-tile
+    assert not fa4.sparse_layout(aligned, 128).copies  # only the last sequence may end mid-tile
 
 
 def test_kv_tile_follows_fa4_sm90_tiles():
@@ -106,17 +104,29 @@ def test_builtin_path_only_when_the_mask_is_fa4s_own(seqs, layer, builtin):
             assert torch.equal(plan.to_dense(i), (k <= q) & (k > q - w))
 
 
-def test_auto_passes_decode_and_ragged_steps_to_triton():
+def test_auto_passes_decode_and_copying_steps_to_triton():
     q, on = torch.empty(0, 2, 64), sa.LayerMask(spans="on")
     step = lambda layer, *seqs: sa.plan(sa.Batch(list(seqs)), layer)
     decode = step(on, sa.Seq(1, kv_len=900), sa.Seq(4, kv_len=50, causal=False))
     assert "split-KV" in fa4.auto_declines(q, decode)
     ragged = step(on, sa.Seq(300, kv_len=900, spans=[(0, 99)]), sa.Seq(1, kv_len=50))
-    assert "longest-first" in fa4.auto_declines(q, ragged)
-    text = step(on, sa.Seq(300, kv_len=900), sa.Seq(1, kv_len=50))  # built-in path: FA4's own tiles
-    assert fa4.auto_declines(q, text) is None
+    assert "copied" in fa4.auto_declines(q, ragged)
+    text = step(on, sa.Seq(300, kv_len=900), sa.Seq(20, kv_len=50))  # built-in; 900 keys end mid-tile
+    assert "copied" in fa4.auto_declines(q, text)
+    whole = step(on, sa.Seq(300, kv_len=1024), sa.Seq(20, kv_len=50))
+    assert fa4.auto_declines(q, whole) is None
     aligned = step(on, sa.Seq(256, spans=[(0, 99)]), sa.Seq(300, kv_len=900))
     assert fa4.auto_declines(q, aligned) is None
+
+
+def test_builtin_keys_start_on_fa4s_key_tiles():
+    plan = sa.plan(
+        sa.Batch([sa.Seq(30, kv_len=100), sa.Seq(5, kv_len=200), sa.Seq(1, kv_len=7)]), sa.LayerMask()
+    )
+    rows, cu = fa4._builtin_keys(plan, 256)  # key tiles of 80 at d256
+    assert cu.tolist() == [0, 160, 400, 480] and rows.num == 480
+    assert rows.rows[99:101].tolist() == [99, 160] and rows.rows[-1].item() == 406
+    assert rows.gaps.tolist() == list(range(100, 160)) + list(range(360, 400)) + list(range(407, 480))
 
 
 def test_named_fa4_never_falls_back():

@@ -81,8 +81,8 @@ def test_unavailable_reasons():
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler")
 def test_compiled_cpu_uses_the_tables():
-    """Compiled flex (CPU) skips blocks by the tables, so wrong tables would show; and a new
-    step of other lengths reuses the compiled graph (dynamic shapes)."""
+    """Compiled flex (CPU) skips blocks by the tables, so wrong tables or a wrong aligned layout
+    would show; and a new step of other lengths reuses the compiled graph (dynamic shapes)."""
     from torch._dynamo.utils import counters
 
     step = torch.compile(flex._flex_step, dynamic=True)
@@ -97,12 +97,7 @@ def test_compiled_cpu_uses_the_tables():
             flex.prepare(plan)
 
             def run(q, k, v, plan, scale, softcap, return_lse):
-                alo, ahi = flex.packed_intervals(plan)
-                t = flex.tile_tables(plan, flex.BLOCK_M, flex.BLOCK_N)
-                tables = (t.kv_num_blocks, t.kv_indices, t.full_kv_num_blocks, t.full_kv_indices)
-                q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))
-                out, _ = step(q4, k4, v4, alo, ahi, *tables, scale, softcap, False)
-                return out[0].transpose(0, 1), None
+                return flex.aligned_step(step, q, k, v, plan, scale, softcap, False)
 
             check(plan, *inputs(plan, 4, 2, 64, torch.float32), run, lse=False)
             if graphs is None:

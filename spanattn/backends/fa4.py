@@ -5,20 +5,29 @@ Two paths, picked per plan:
 - built-in: when every sequence is causal and no span is active, the plan's mask IS FA4's own
   bottom-right causal mask (a sliding window of W keys is ``window_size=(W - 1, 0)``), so the
   step goes to ``flash_attn_varlen_func`` unchanged: FA4's fastest path, nothing to build.
-- sparse: otherwise the packed step is ONE sequence of queries by ``total_k`` keys (as in the
-  flex backend) with an interval ``mask_mod`` (``alo[q] <= kv <= ahi[q]``, read from aux
-  tensors as ``alo`` and ``ahi - alo``: one unsigned compare per score) and FA4 block-sparse
-  tensors made from tile tables at FA4's own tile shape: FULL tiles run without the mask,
-  PARTIAL tiles run ``mask_mod``, the rest are never loaded.
-  Intervals never leave their sequence, so no sequence-id check is needed. Each sequence's
-  queries start on a query-tile boundary (padding rows with an empty interval where a length is
-  not a multiple of the tile): a tile shared by many short sequences (decode rows beside a
-  chunk) would otherwise visit the keys of all of them, for every row.
+- sparse: otherwise the packed step is ONE sequence of queries by keys (as in the flex
+  backend) with an interval ``mask_mod`` (``alo[q] <= kv <= ahi[q]``, read from aux tensors as
+  ``alo`` and ``ahi - alo``: one unsigned compare per score) and FA4 block-sparse tensors made
+  from tile tables at FA4's own tile shape: FULL tiles run without the mask, PARTIAL tiles run
+  ``mask_mod``, the rest are never loaded. Intervals never leave their sequence, so no
+  sequence-id check is needed.
+
+Isolation. FA4's SM90 kernel reads whole key tiles and multiplies masked probabilities (0) by
+every value row of the tile, and ``0 * NaN`` is NaN: a tile holding two sequences' keys lets one
+request's NaN or Inf into its neighbour's output (also on the built-in path, whose varlen tiles
+run past a sequence's end into the next one). So every step runs in a layout where no tile holds
+two sequences (aligned.py): the sparse path puts each sequence on its own query and key tiles,
+the built-in path starts each sequence's keys on a key-tile boundary with zeros after its end.
+Where the packed layout already is one (a single sequence, or every sequence but the last a
+whole number of tiles long: the standard single-prompt scenarios) nothing moves; otherwise q
+and/or k, v are copied into it, and ``backend="auto"`` leaves such steps to triton, whose kernels
+never read another sequence's rows.
 
 The sparse path uses FA4's fixed-length (batch 1) block sparsity rather than its varlen form: the
-packed tables already exist, are tested exact (tiles.py), and need no per-sequence offsets.
-Its tile shape is FA4's SM90 choice (128 queries by 128/112/80 keys for head_dim <= 128 / 192 /
-256), so it runs on SM90 only; the built-in path runs wherever FA4 does.
+packed tables already exist and are tested exact (tiles.py, aligned.py). Tile shapes are FA4's
+SM90 choices (128 queries by 128/112/80 keys for head_dim <= 128 / 192 / 256, 64 at 256 with a
+window), so the sparse path runs on SM90 only, and so does a multi-sequence built-in step whose
+sequences must be moved onto FA4's key tiles (they are known for SM90 only).
 """
 
 from __future__ import annotations
@@ -27,9 +36,10 @@ import functools
 
 import torch
 
-from ..tiles import build_tile_tables, packed_intervals, tile_tables
+from ..aligned import aligned_layout, aligned_tile_tables, padded_rows, scatter_rows
 
 BLOCK_M = 128  # FA4's SM90 query tile; its block sparsity needs a multiple of it
+SM90 = (9, 0)
 # A row that holds no query: its start lies past every key, so ``kv - lo`` wraps to at least
 # 2**31 as an unsigned number, above its width 0.
 EMPTY_LO = 2**31 - 1
@@ -44,6 +54,15 @@ def _kv_tile(head_dim: int, windowed: bool = False) -> int:
         return 128
     if head_dim <= 192:
         return 112
+    return 64 if windowed else 80
+
+
+def _builtin_kv_tile(head_dim: int, windowed: bool) -> int:
+    """The key tile of FA4's own causal/window kernel on SM90 (its tile table)."""
+    if head_dim <= 128:
+        return 128
+    if head_dim <= 192:
+        return 96 if windowed else 128
     return 64 if windowed else 80
 
 
@@ -73,9 +92,11 @@ def unavailable(q, plan, **opts) -> str | None:
         return f"FA4 supports head_dim a multiple of 8 up to 256 (SM90), got {d}"
     if _import_error():
         return _import_error()
-    major = torch.cuda.get_device_capability(q.device)[0]
-    if not builtin(plan) and major != 9:
-        return f"the sparse path uses FA4's SM90 tile shapes; this GPU is sm_{major}x"
+    cap = torch.cuda.get_device_capability(q.device)
+    if cap != SM90 and not builtin(plan):
+        return f"the sparse path uses FA4's SM90 tile shapes; this GPU is sm_{cap[0]}{cap[1]}"
+    if cap != SM90 and plan.num_seqs > 1:
+        return "several sequences in a step are kept apart on FA4's SM90 key tiles only"
     return None
 
 
@@ -84,10 +105,10 @@ def auto_declines(q, plan, **opts) -> str | None:
 
     - decode-shaped steps (every q_len tiny): triton's split-KV kernel reads each K/V byte once
       per KV head across many programs; FA4 would give each (sequence, head) one 128-row tile;
-    - sparse-path steps whose sequences need padding to own their query tiles (short rows
-      beside chunks): measured on the H200 (chunks with images + 64 decode rows + canvases),
-      fa4 ran 1.02x (global) and 1.29x (sliding) triton's time there; its tiles run in a fixed
-      order, triton's longest first.
+    - steps whose sequences must be copied onto tiles of their own (``copies``): the copy costs
+      a read and write of q or K/V, and triton's kernels never read another sequence's rows
+      without one (measured on the H200: chunks with images + decode rows + canvases ran 1.02x
+      (global) and 1.29x (sliding) triton's time on fa4 with the query copy alone).
     """
     try:
         from .triton.decode import MAX_Q_LEN
@@ -95,9 +116,16 @@ def auto_declines(q, plan, **opts) -> str | None:
         return None
     if plan.max_seqlen_q <= MAX_Q_LEN:
         return f"decode-shaped step (q_len <= {MAX_Q_LEN}): the split-KV kernel suits it better"
-    if not builtin(plan) and not _tile_aligned(plan):
-        return "short sequences share the step with chunks: triton's longest-first tile order suits it better"
+    if copies(plan, q.shape[-1]):
+        return "sequences would be copied onto tiles of their own; triton keeps them apart without a copy"
     return None
+
+
+def copies(plan, head_dim: int) -> bool:
+    """Must the step's q or K/V be copied so that no FA4 tile holds two sequences?"""
+    if builtin(plan):
+        return _builtin_keys(plan, head_dim)[0].rows is not None
+    return sparse_layout(plan, head_dim).copies
 
 
 @functools.cache
@@ -119,53 +147,28 @@ def _interval_mask_mod():
     return interval_mask
 
 
-def _tile_aligned(plan) -> bool:
-    """Does every sequence already start on a query-tile boundary in the packed layout?"""
-    return all(s.q_len % BLOCK_M == 0 for s in plan.batch.seqs[:-1])
-
-
-def query_rows(plan) -> tuple[torch.Tensor | None, int]:
-    """``(rows, num_rows)``: the row of each packed query in FA4's query layout, where every
-    sequence starts on a tile boundary; ``rows`` is None when the packed layout already does
-    (every sequence but the last a multiple of the tile long: the standard scenarios)."""
-    seqs = plan.batch.seqs
-    if _tile_aligned(plan):
-        return None, plan.total_q
-
-    def build():
-        padded = (plan.cu_seqlens_q.diff() + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        starts = torch.cumsum(padded, 0) - padded
-        seq = plan.query_seq_ids()
-        local = torch.arange(plan.total_q, device=plan.device) - plan.cu_seqlens_q[seq]
-        return starts[seq] + local
-
-    return plan.cached("fa4_query_rows", build), sum(-(-s.q_len // BLOCK_M) * BLOCK_M for s in seqs)
+def sparse_layout(plan, head_dim: int):
+    """The sparse path's aligned layout (aligned.py): each sequence on its own query and key tiles."""
+    return aligned_layout(plan, BLOCK_M, _kv_tile(head_dim, plan.layer.window is not None))
 
 
 def sparse_inputs(plan, head_dim: int):
-    """The sparse path's inputs, cached on the plan: the tile tables at FA4's tile shape and the
-    packed intervals in FA4's query layout (``query_rows``) as ``[lo, width = hi - lo]``, every
-    other row holding the empty interval ``(EMPTY_LO, 0)``. A tile past the last has them too:
-    FA4 evaluates ``mask_mod`` on every row of a short last tile, and with GQA heads packed into
+    """The sparse path's inputs, cached on the plan: the tile tables of its aligned layout and
+    the intervals in that layout as ``[lo, width = hi - lo]``, every row that holds no query
+    carrying the empty interval ``(EMPTY_LO, 0)``. A tile past the last has them too: FA4
+    evaluates ``mask_mod`` on every row of a short last tile, and with GQA heads packed into
     tiles (FA4's default) those rows reach past it by up to a tile."""
     block_n = _kv_tile(head_dim, plan.layer.window is not None)
 
     def build():
-        rows, num_rows = query_rows(plan)
-        alo, ahi = packed_intervals(plan)
-        size = (-(-num_rows // BLOCK_M) + 1) * BLOCK_M
-        lo = torch.full((size,), EMPTY_LO, dtype=torch.int32, device=alo.device)
-        width = torch.zeros(size, dtype=torch.int32, device=alo.device)
-        if rows is None:
-            t = tile_tables(plan, BLOCK_M, block_n)  # one launch on CUDA
-            lo[: plan.total_q], width[: plan.total_q] = alo, ahi - alo
-        else:
-            lo[rows], width[rows] = alo, ahi - alo
-            tile_lo = torch.zeros(num_rows, dtype=torch.int32, device=alo.device)
-            tile_hi = torch.full((num_rows,), -1, dtype=torch.int32, device=alo.device)  # touches no block
-            tile_lo[rows], tile_hi[rows] = alo, ahi
-            t = build_tile_tables(tile_lo, tile_hi, plan.total_k, BLOCK_M, block_n)
-        return t, [lo, width]
+        layout = aligned_layout(plan, BLOCK_M, block_n)
+        size = (-(-layout.q.num // BLOCK_M) + 1) * BLOCK_M
+        lo = torch.full((size,), EMPTY_LO, dtype=torch.int32, device=layout.lo.device)
+        width = torch.zeros(size, dtype=torch.int32, device=layout.lo.device)
+        real = layout.hi >= layout.lo
+        lo[: layout.q.num] = torch.where(real, layout.lo, EMPTY_LO)
+        width[: layout.q.num] = torch.where(real, layout.hi - layout.lo, 0)
+        return aligned_tile_tables(plan, BLOCK_M, block_n), [lo, width]
 
     return plan.cached(("fa4_sparse", block_n), build)
 
@@ -191,9 +194,21 @@ def _pack_gqa(q, k) -> bool:
 
 
 def prepare(plan, head_dim: int) -> None:
-    """Build the sparse path's tables once per plan (nothing for the built-in path)."""
-    if not builtin(plan):
+    """Build the path's tables or layout once per plan."""
+    if builtin(plan):
+        _builtin_keys(plan, head_dim)
+    else:
         sparse_inputs(plan, head_dim)
+
+
+def _builtin_keys(plan, head_dim: int):
+    """``(rows, cu_seqlens_k)`` of the built-in path's key layout: each sequence's keys from a
+    key-tile boundary on, zeros up to the next (``rows.rows`` None when packed keys are that)."""
+    rows = padded_rows(plan, "k", _builtin_kv_tile(head_dim, plan.layer.window is not None))
+    if rows.rows is None:
+        return rows, plan.cu_seqlens_k
+    build = lambda: torch.cat([rows.starts, rows.starts.new_tensor([rows.num])]).to(torch.int32)
+    return rows, plan.cached(("fa4_builtin_cu_k", rows.num), build)
 
 
 def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
@@ -205,23 +220,26 @@ def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
     q, k, v = (t.contiguous() for t in (q, k, v))
     if builtin(plan):
         w = plan.layer.window
+        rows, cu_k = _builtin_keys(plan, q.shape[-1])
+        k, v = (scatter_rows(t, rows) for t in (k, v))
         out, lse = flash_attn_varlen_func(
             q,
             k,
             v,
             cu_seqlens_q=plan.cu_seqlens_q,
-            cu_seqlens_k=plan.cu_seqlens_k,
+            cu_seqlens_k=cu_k,
             max_seqlen_q=plan.max_seqlen_q,
             max_seqlen_k=plan.max_seqlen_k,
+            seqused_k=None if rows.rows is None else plan.seq_lens,
             causal=True,
             window_size=(None, None) if w is None else (w - 1, 0),
             **common,
         )  # lse [Hq, total_q]
     else:
         tables, aux = sparse_inputs(plan, q.shape[-1])
-        rows, num_rows = query_rows(plan)
-        if rows is not None:  # each sequence on its own query tiles; padding rows are discarded
-            q = q.new_zeros(num_rows, *q.shape[1:]).index_copy_(0, rows, q)
+        layout = sparse_layout(plan, q.shape[-1])
+        q = scatter_rows(q, layout.q)  # padding rows are discarded below
+        k, v = (scatter_rows(t, layout.k) for t in (k, v))
         out, lse = flash_attn_func(
             q[None],
             k[None],
@@ -234,8 +252,8 @@ def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
             **common,
         )
         out, lse = out[0], None if lse is None else lse[0]  # lse [1, Hq, rows] -> [Hq, rows]
-        if rows is not None:
-            out, lse = out[rows], None if lse is None else lse[:, rows]
+        if layout.q.rows is not None:
+            out, lse = out[layout.q.rows], None if lse is None else lse[:, layout.q.rows]
     if not return_lse:
         return out, None  # FA4 may hand back the LSE it keeps for backward anyway
     return out, lse.transpose(0, 1).float().contiguous()

@@ -13,8 +13,14 @@ first step with lengths not a multiple of 128 built one more graph; the next ste
 lengths, multiples of 128 or not) built none. The price of no recompiles: torch's dynamic-shape
 flex kernel cannot prove lengths divisible by its 128 block and checks bounds on every load,
 5-16% slower than a static-shape compile on S0-S4 (``SPANATTN_FLEX_DYNAMIC=0`` matches the
-static peer within 1%; benchmarks/gpu_flex.py). CPU runs flex's eager path, which materializes
-the scores and evaluates ``mask_mod`` densely (it ignores the block tables).
+static peer within 1%; benchmarks/gpu_flex.py).
+
+Isolation: flex multiplies each tile's probabilities by all of its value rows, so a tile holding
+two sequences would turn a neighbour's NaN or Inf into NaN (``0 * NaN``). On CUDA the step runs
+in the aligned layout (aligned.py: every sequence on its own 128-row query and key tiles; q, k, v
+are copied there when some sequence is not a whole number of tiles long). CPU runs flex's eager
+path, which materializes the scores over every key it is given and ignores the block tables, so
+it runs one sequence at a time.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ import os
 
 import torch
 
-from ..tiles import packed_intervals, tile_tables
+from ..aligned import aligned_layout, aligned_tile_tables, scatter_rows
+from ..tiles import build_tile_tables
 
 BLOCK_M = BLOCK_N = 128  # flex's sparse block size; its kernel tiles divide it
 
@@ -47,10 +54,10 @@ def unavailable(q, plan, **opts) -> str | None:
 
 
 def prepare(plan, head_dim: int | None = None) -> None:
-    """Build what a step needs once per plan (cached on it): tile tables and packed intervals
-    (tables first: on CUDA one launch writes both). Flex's blocks do not depend on head_dim."""
-    tile_tables(plan, BLOCK_M, BLOCK_N)
-    packed_intervals(plan)
+    """Build what a step needs once per plan (cached on it): the tile tables and intervals of
+    the aligned layout. Flex's blocks do not depend on head_dim."""
+    if plan.device.type == "cuda":
+        aligned_tile_tables(plan, BLOCK_M, BLOCK_N)
 
 
 @functools.cache
@@ -112,24 +119,13 @@ def _softcap_tensor(value: float, device) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32, device=device)
 
 
-def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
-    t = tile_tables(plan, BLOCK_M, BLOCK_N)
-    alo, ahi = packed_intervals(plan)
-    if q.is_cuda:
-        step, dtype = _compiled(return_lse), q.dtype
-        softcap = None if softcap is None else _softcap_tensor(float(softcap), q.device)
-    else:
-        step, dtype = _flex_step, torch.float32
-    # CPU: flex's eager math runs in the input dtype (bf16 scores and probabilities, ~8x the
-    # reference's error), so it gets float32 inputs like the reference; it is the slow path anyway.
+def _call(step, q, k, v, lo, hi, t, scale, softcap, return_lse):
     # [tokens, H, D] -> [1, H, tokens, D] views; flex keeps q's stride order for its output,
-    # so transposing back gives a contiguous [total_q, Hq, D] without a copy.
+    # so transposing back gives a contiguous [tokens, Hq, D] without a copy.
     out, lse = step(
-        q.to(dtype).transpose(0, 1)[None],
-        k.to(dtype).transpose(0, 1)[None],
-        v.to(dtype).transpose(0, 1)[None],
-        alo,
-        ahi,
+        *(x.transpose(0, 1)[None] for x in (q, k, v)),
+        lo,
+        hi,
         t.kv_num_blocks,
         t.kv_indices,
         t.full_kv_num_blocks,
@@ -138,7 +134,38 @@ def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
         softcap,
         return_lse,
     )
-    out = out[0].transpose(0, 1).to(q.dtype)
-    if lse is not None:
-        lse = lse[0].transpose(0, 1).float().contiguous()  # natural log, scale applied, like flex
+    return out[0].transpose(0, 1), None if lse is None else lse[0].transpose(0, 1)
+
+
+def aligned_step(step, q, k, v, plan, scale, softcap, return_lse):
+    """The packed step in the aligned layout through ``step`` (compiled ``_flex_step``)."""
+    layout = aligned_layout(plan, BLOCK_M, BLOCK_N)
+    out, lse = _call(
+        step,
+        scatter_rows(q, layout.q),
+        *(scatter_rows(x, layout.k) for x in (k, v)),
+        layout.lo, layout.hi, aligned_tile_tables(plan, BLOCK_M, BLOCK_N), scale, softcap, return_lse,
+    )  # fmt: skip
+    if layout.q.rows is not None:
+        out, lse = out[layout.q.rows], None if lse is None else lse[layout.q.rows]
     return out, lse
+
+
+def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
+    if q.is_cuda:
+        cap = None if softcap is None else _softcap_tensor(float(softcap), q.device)
+        out, lse = aligned_step(_compiled(return_lse), q, k, v, plan, scale, cap, return_lse)
+    else:
+        # flex's eager math runs in the input dtype (bf16 scores and probabilities, ~8x the
+        # reference's error), so it gets float32 inputs like the reference; it is the slow path.
+        parts, cu_q, cu_k = [], plan.cu_seqlens_q.tolist(), plan.cu_seqlens_k.tolist()
+        for i in range(plan.num_seqs):
+            rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+            lo, hi = plan.lo[rows], plan.hi[rows]
+            t = build_tile_tables(lo, hi, keys.stop - keys.start, BLOCK_M, BLOCK_N)
+            qi, ki, vi = (x.float() for x in (q[rows], k[keys], v[keys]))
+            parts.append(_call(_flex_step, qi, ki, vi, lo, hi, t, scale, softcap, return_lse))
+        out = torch.cat([o for o, _ in parts])
+        lse = torch.cat([x for _, x in parts]) if return_lse else None
+    out = out.to(q.dtype).contiguous()
+    return out, None if lse is None else lse.float().contiguous()  # natural log, scale applied
