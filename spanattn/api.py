@@ -8,14 +8,14 @@ import math
 import torch
 
 from . import backends
-from .cache import check_paged
+from .cache import check_paged, checked_once
 from .plan import Plan
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 AUTO_ORDER = ("fa4", "triton", "sdpa", "reference")
 
 
-def _check(q, k, v, plan: Plan, block_table=None) -> None:
+def _check(q, k, v, plan: Plan, block_table=None, check_pages: bool = True) -> None:
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a spanattn.Plan (from spanattn.plan), got {type(plan).__name__}")
     paged = block_table is not None
@@ -42,6 +42,8 @@ def _check(q, k, v, plan: Plan, block_table=None) -> None:
         raise ValueError(f"q has {q.shape[0]} tokens but the plan packs {plan.total_q} queries")
     if paged:
         check_paged(k, v, block_table, plan, names=("k", "v"))
+        if check_pages:
+            checked_once(block_table, plan, k.shape[0], k.shape[1])
     elif k.shape[0] != plan.total_k or v.shape[0] != plan.total_k:
         raise ValueError(
             f"k and v must have the plan's {plan.total_k} packed keys, got {k.shape[0]} and {v.shape[0]}"
@@ -72,6 +74,7 @@ def attention(
     scale: float | None = None,
     softcap: float | None = None,
     return_lse: bool = False,
+    check_pages: bool = True,
 ):
     """Attention of packed varlen ``q [total_q, Hq, D]`` over ``k, v [total_k, Hkv, D]`` under the
     plan's mask. Returns ``out [total_q, Hq, D]`` (q's dtype), and with ``return_lse=True`` also
@@ -82,6 +85,11 @@ def attention(
         of sequence ``r`` (its first ``kv_len`` in the plan) sits at block
         ``block_table[r, pos // block_size]``, offset ``pos % block_size``. Write the step's new
         keys first (:func:`spanattn.write_kv_cache`).
+    check_pages: verify that every block a sequence reads exists (``0 <= id < num_blocks``) and
+        raise an error naming the sequence and entry otherwise. On CUDA this reads the table
+        once per step (plan and table contents), one host sync, and never while a CUDA graph is
+        captured; engines that validate their tables themselves pass False. Unchecked, a bad id
+        reads whatever memory it points to.
 
     backend: ``"auto"`` takes the first that can run this call of fa4 (CUDA, FlashAttention-4
         installed, head_dim <= 256), triton (CUDA), sdpa, reference, skipping one that declines
@@ -95,7 +103,7 @@ def attention(
     >>> sa.attention(q, k, v, p).shape
     torch.Size([3, 2, 16])
     """
-    _check(q, k, v, plan, block_table)
+    _check(q, k, v, plan, block_table, check_pages)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
