@@ -35,11 +35,12 @@ def spans_from_placeholders(placeholders: Iterable) -> list[tuple[int, int]]:
     >>> spans_from_placeholders([(5, 4), (20, 6, [0, 1, 1, 0, 1, 1], "image"), (40, 8, None, "audio")])
     [(5, 8), (21, 22), (24, 25)]
     """
-    spans = []
+    spans, extents = [], []
     for ph in placeholders:
         offset, length, is_embed, modality = (tuple(ph) + (None, "image"))[:4]
         if offset < 0 or length < 0:
             raise ValueError(f"placeholder {tuple(ph)!r}: offset and length must be >= 0")
+        extents.append((offset, offset + length, ph))
         if modality in NON_SPAN_MODALITIES or length == 0:
             continue
         if is_embed is None:
@@ -51,7 +52,16 @@ def spans_from_placeholders(placeholders: Iterable) -> list[tuple[int, int]]:
                 f"placeholder at {offset}: is_embed has {len(flags)} entries, length is {length}"
             )
         spans.extend(_runs(flags, offset))
+    extents.sort(key=lambda x: x[:2])
+    for (_, end, a), (start, _, b) in zip(extents, extents[1:]):
+        if start < end:  # two items cannot share a token: the engine's placeholders are wrong
+            raise ValueError(f"placeholders overlap: {_short(a)} and {_short(b)}")
     return sorted(spans)
+
+
+def _short(ph) -> str:
+    offset, length = tuple(ph)[:2]
+    return f"(offset={offset}, length={length})"
 
 
 def spans_from_token_types(token_type_ids, vision_types: Sequence[int] = (1,)):

@@ -16,6 +16,11 @@ def test_placeholders():
         sa.spans_from_placeholders([(0, 3, [1, 1], "image")])
     with pytest.raises(ValueError, match="offset and length must be >= 0"):
         sa.spans_from_placeholders([(-1, 3)])
+    with pytest.raises(
+        ValueError, match=r"placeholders overlap: \(offset=20, length=6\) and \(offset=25, length=2\)"
+    ):
+        sa.spans_from_placeholders([(25, 2), (20, 6, None, "audio")])
+    assert sa.spans_from_placeholders([(0, 5), (5, 5)]) == [(0, 4), (5, 9)]  # adjacent is fine
 
 
 def test_token_types_like_gemma():
