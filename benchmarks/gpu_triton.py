@@ -29,7 +29,7 @@ from triton_peers import flex_fn, flex_time, sdpa_time
 import spanattn as sa
 from spanattn.backends import triton as tb
 from spanattn.backends.triton import configs as tcfg
-from spanattn.backends.triton.schedule import tile_schedule
+from spanattn.backends.triton.schedule_triton import tile_schedule
 from spanattn.bench.report import environment
 from spanattn.oracle import Truth
 from spanattn.scenarios import HKV, HQ, check_step, scenarios
