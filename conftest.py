@@ -1,4 +1,4 @@
-"""Session set-up for every test and doctest: without a GPU, Triton kernels run in Triton's
+"""Set-up for every test and doctest run: without a GPU, Triton kernels run in Triton's
 interpreter. The switch must be on before triton is first imported (triton decorates its own
 standard library, tl.max and friends, at import), and any module may import it, so it is set
 here, before collection, rather than in the test modules that need it."""

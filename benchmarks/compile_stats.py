@@ -38,8 +38,8 @@ from triton.compiler import ASTSource
 
 from spanattn.backends.triton import GLUON_KERNELS
 from spanattn.backends.triton import kernel as tk
+from spanattn.backends.triton.columns import INFO
 from spanattn.backends.triton.configs import Config, pick, pick_gluon
-from spanattn.backends.triton.schedule import INFO
 
 FP_ARGS = ("Q", "K", "V", "K_DESC", "V_DESC", "OUT", "LSE")
 SCALAR_FP = ("qk_scale", "softcap_log2")

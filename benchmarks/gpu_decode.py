@@ -1,6 +1,6 @@
 """Check and time the split-KV decode kernel on one GPU in one call.
 
-    python benchmarks/gpu_decode.py --out $OUT/decode.json
+    python benchmarks/gpu_decode.py --out results/     # writes results/<date>-decode-<gpu>.json
 
 check: small paged decode batches (q_len 1..16, GQA, windows, spans, canvases, softcap, pages
     16 and 128) with NaN in every cache slot no sequence owns and NaN-poisoned outputs, against
@@ -29,7 +29,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import spanattn as sa  # noqa: E402
 from spanattn.backends.triton import decode  # noqa: E402
-from spanattn.bench.report import environment  # noqa: E402
+from spanattn.bench.report import environment, result_path  # noqa: E402
 from spanattn.cache import gather_kv  # noqa: E402
 from spanattn.oracle import Truth  # noqa: E402
 from spanattn.scenarios import HKV, HQ, scenarios  # noqa: E402
@@ -236,18 +236,19 @@ SPLIT_GRID = [None, 1024, 2048, 4096, 8192, 10**9]  # None = automatic; 10**9 = 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="decode.json")
+    ap.add_argument("--out", required=True, help="folder for the JSON")
     ap.add_argument("--parts", default="copy,check,d1_128,d1_256,graph")
     ap.add_argument("--quick", action="store_true", help="time the default config only, no sweep")
     args = ap.parse_args()
     report = {
-        **environment("cuda"),
+        **environment(DEV),
         "bandwidth_rule": "K+V bytes the step must read (sum kv_len * Hkv * D * 2 B * 2) / time",
     }
     sweep_128 = [(64, 4, 3), (64, 4, 4), (32, 4, 4), (128, 8, 2), (64, 8, 3)], SPLIT_GRID
     sweep_256 = [(32, 4, 3), (32, 4, 4), (64, 4, 2), (16, 4, 4), (64, 8, 2)], SPLIT_GRID
     if args.quick:
         sweep_128 = sweep_256 = [None], [2048]
+    path = result_path(args.out, "decode", report)
     parts = {
         "copy": copy_rate,
         "check": check,
@@ -262,8 +263,8 @@ def main():
             report[f"{name}_error"] = traceback.format_exc()[-2000:]
             print(report[f"{name}_error"], flush=True)
         torch.cuda.empty_cache()
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        path.write_text(json.dumps(report, indent=1))  # after every part: a cut-short run keeps them
+    print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":

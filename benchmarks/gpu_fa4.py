@@ -1,6 +1,9 @@
-"""Check and time the fa4 backend on one GPU in one call (FA4 carried as DEVICE.md says).
+"""Check and time the fa4 backend on one GPU in one call (needs FlashAttention-4 importable:
+``pip install flash-attn-4``, or the archive tools/fa4_bundle.sh packs).
 
-    python benchmarks/gpu_fa4.py --parts check,count,bench --out $OUT/fa4.json
+    python benchmarks/gpu_fa4.py --parts check,count,bench --out results/
+
+Writes results/<date>-fa4-<gpu>.json, after every part.
 
 check: correctness grid (bf16/fp16, D 64/128/256, GQA 1/2/8, windows, span modes, mixed batches,
     softcap, LSE) on both paths (FA4's built-in causal/window, and the interval mask_mod with
@@ -31,7 +34,7 @@ import torch
 import spanattn as sa
 from spanattn.backends import fa4
 from spanattn.backends import triton as tb
-from spanattn.bench.report import environment
+from spanattn.bench.report import environment, result_path
 from spanattn.bench.timing import host_ms, kernel_ms, poison
 from spanattn.oracle import Truth
 from spanattn.scenarios import HKV, HQ, check_step, scenarios
@@ -309,7 +312,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="check,count,bench")
     ap.add_argument("--scenarios", default="S0,S1,S2,S3,S4")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=True, help="folder for the JSON")
     ap.add_argument("--quick", action="store_true", help="check: d128 bf16 GQA 2 only")
     ap.add_argument("--rounds", type=int, default=9, help="alternate: rounds per scenario")
     args = ap.parse_args()
@@ -333,11 +336,11 @@ def main():
         "alternate": lambda r, lg: part_alternate(r, lg, ids, args.rounds),
         "anatomy": part_anatomy,
     }
+    path = result_path(args.out, "fa4", res)
     for name in args.parts.split(","):
         parts[name](res, log)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
-    log("done")
+        path.write_text(json.dumps(res, indent=1))  # after every part: a cut-short run keeps them
+    log(f"wrote {path}")
 
 
 if __name__ == "__main__":

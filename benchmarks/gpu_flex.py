@@ -1,7 +1,7 @@
 """The flex backend against FlexAttention with ``create_block_mask`` in one call, both compiled
-the same two ways (issue 5's "kernel within 5%" and "planning 10x cheaper" targets).
+the same two ways: is the kernel the same, and how much cheaper is the planning.
 
-    python benchmarks/gpu_flex.py --out $OUT/flex.json
+    python benchmarks/gpu_flex.py --out results/     # writes results/<date>-flex-<gpu>.json
 
 Per scenario (S0-S4, each head_dim): kernel time of our flex backend compiled dynamic (its
 default) and static (``SPANATTN_FLEX_DYNAMIC=0``), and of the peer, ``flex_attention`` over a
@@ -24,7 +24,7 @@ from triton.testing import do_bench
 
 import spanattn as sa
 from spanattn.backends import flex as fb
-from spanattn.bench.report import environment
+from spanattn.bench.report import environment, result_path
 from spanattn.bench.timing import host_ms
 from spanattn.oracle import Truth
 from spanattn.scenarios import HKV, HQ, check_step, scenarios
@@ -133,7 +133,7 @@ def bench(res, only):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="flex.json")
+    ap.add_argument("--out", required=True, help="folder for the JSON")
     ap.add_argument("--scenarios", default="", help="comma-separated ids (default S0-S4)")
     a = ap.parse_args()
     res = {**environment("cuda"), "flops_rule": "4 * D * Hq * allowed pairs, bf16, Hq=16, Hkv=8"}
@@ -142,8 +142,9 @@ def main():
     print(f"[check done at {time.time() - t0:.0f} s]", flush=True)
     bench(res, [x for x in a.scenarios.split(",") if x])
     print(f"[bench done at {time.time() - t0:.0f} s]", flush=True)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+    path = result_path(a.out, "flex", res)
+    path.write_text(json.dumps(res, indent=1))
+    print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":

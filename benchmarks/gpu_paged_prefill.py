@@ -1,7 +1,7 @@
 """Paged prefill vs contiguous varlen prefill with the triton backend, and planning time, on
 one GPU in one call.
 
-    python benchmarks/gpu_paged_prefill.py --out $OUT/paged_prefill.json
+    python benchmarks/gpu_paged_prefill.py --out results/   # writes results/<date>-paged-prefill-<gpu>.json
 
 paged: S1-S3 (DESIGN.md section 5; bf16, Hq 16 / Hkv 8) with K/V written into a paged cache
     whose pages are scattered at random (page 16 and 128), read the default way (on Hopper a
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import spanattn as sa  # noqa: E402
 from spanattn.backends import triton as tb  # noqa: E402
 from spanattn.backends.triton.configs import pick, pick_gluon  # noqa: E402
-from spanattn.bench.report import environment  # noqa: E402
+from spanattn.bench.report import environment, result_path  # noqa: E402
 from spanattn.oracle import Truth  # noqa: E402
 from spanattn.scenarios import HKV, HQ, scenarios  # noqa: E402
 
@@ -108,7 +108,7 @@ def check_small(sc_small, d, page, gen):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="paged_prefill.json")
+    ap.add_argument("--out", required=True, help="folder for the JSON")
     a = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     full, small = scenarios(), scenarios(scale=8)
@@ -161,8 +161,9 @@ def main():
                    f" (copy alone {row['copy_only_ms']:.3f} ms)" if "walk_ms" in row else ""),
                 flush=True,
             )  # fmt: skip
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+    path = result_path(a.out, "paged-prefill", res)
+    path.write_text(json.dumps(res, indent=1))
+    print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":

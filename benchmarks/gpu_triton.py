@@ -1,7 +1,9 @@
 """Check and time the triton backend on one GPU in one call (kernel development; the general
 benchmark is ``spanattn bench``).
 
-    python benchmarks/gpu_triton.py --parts check,count,sweep,bench,peers --out $OUT/triton.json
+    python benchmarks/gpu_triton.py --parts check,count,sweep,bench,peers --out results/
+
+Writes results/<date>-triton-<gpu>.json, after every part.
 
 check: correctness grid (bf16/fp16, D 64..512, GQA 1/2/8, windows, span modes, mixed batches)
     with NaN-poisoned outputs and the rule err(triton) <= 2 * err(same-dtype reference) + 1e-4.
@@ -29,8 +31,8 @@ from triton_peers import flex_fn, flex_time, sdpa_time
 import spanattn as sa
 from spanattn.backends import triton as tb
 from spanattn.backends.triton import configs as tcfg
-from spanattn.backends.triton.schedule import tile_schedule
-from spanattn.bench.report import environment
+from spanattn.backends.triton.schedule_triton import tile_schedule
+from spanattn.bench.report import environment, result_path
 from spanattn.oracle import Truth
 from spanattn.scenarios import HKV, HQ, check_step, scenarios
 
@@ -286,7 +288,7 @@ def part_ratios(res, only, rounds):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="check,count,sweep,bench,peers")
-    ap.add_argument("--out", default="triton.json")
+    ap.add_argument("--out", required=True, help="folder for the JSON")
     ap.add_argument("--dims", default="64,96,128,256,512", help="head_dims to sweep and check")
     ap.add_argument("--scenarios", default="", help="comma-separated ids to bench (default all)")
     ap.add_argument("--rounds", type=int, default=7, help="alternating rounds per ratio")
@@ -296,6 +298,7 @@ def main():
         **environment("cuda"),
         "flops_rule": "4 * D * Hq * allowed pairs (FA3/FA4 convention), bf16, Hq=16, Hkv=8",
     }
+    path = result_path(a.out, "triton", res)
     t0 = time.time()
     # The sweep goes first so that the check covers the configs the bench will run.
     dims = tuple(int(x) for x in a.dims.split(","))
@@ -313,8 +316,7 @@ def main():
         if name in parts:
             fn(res)
             print(f"[{name} done at {time.time() - t0:.0f} s]", flush=True)
-            with open(a.out, "w") as f:  # after every part: a call cut short keeps what it measured
-                json.dump(res, f, indent=1)
+            path.write_text(json.dumps(res, indent=1))  # after every part: a cut-short run keeps them
     for r in res.get("bench", []):
         line = f"{r['scenario']} d{r['d']}: ours {r['ours_ms']:.3f} ms {r['ours_tflops']:.0f} TF"
         if "flex_ms" in r:

@@ -1,6 +1,6 @@
 """Prefill of a Gemma-4-shaped transformers stack with images: spanattn vs transformers' SDPA.
 
-    python benchmarks/hf_gemma4_prefill.py --out $OUT            # H200: 8k/16k/32k, bf16, triton
+    python benchmarks/hf_gemma4_prefill.py --out results/        # H200: 8k/16k/32k, bf16, triton
     python benchmarks/hf_gemma4_prefill.py --tiny --out /tmp/x   # CPU smoke run at toy sizes
 
 The stack is ``Gemma4Model`` (no vision tower: image tokens are marked by ``mm_token_type_ids``
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import pathlib
 import statistics
 import time
 
@@ -29,6 +28,7 @@ import torch
 
 import spanattn
 import spanattn.hf
+from spanattn.bench.report import result_path
 from spanattn.scenarios import even_spans
 
 REAL = dict(
@@ -144,7 +144,7 @@ def check_fp32(model, text_cfg, n, shape, device, tails) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="directory for hf_gemma4_prefill.json")
+    ap.add_argument("--out", required=True, help="folder for the JSON (<date>-hf-gemma4-prefill-<gpu>.json)")
     ap.add_argument("--tiny", action="store_true", help="toy sizes on CPU in fp32 (smoke test)")
     ap.add_argument("--sizes", type=int, nargs="*", help="prompt lengths (default 8k 16k 32k)")
     ap.add_argument("--layers", type=int, default=6)
@@ -202,10 +202,9 @@ def main(argv=None):
         "accuracy": accuracy,
         "prefill_kernels_compiled": kernels,
     }
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "hf_gemma4_prefill.json").write_text(json.dumps(report, indent=1))
-    print(f"wrote {out / 'hf_gemma4_prefill.json'}")
+    path = result_path(args.out, "hf-gemma4-prefill", {"date": report["when"], "gpu": report["device"]})
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

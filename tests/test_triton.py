@@ -161,7 +161,9 @@ def test_unsupported_head_dim_says_why():
 
 
 def test_schedule_covers_every_query_once_heaviest_first():
-    from spanattn.backends.triton.schedule import INFO, build_schedule, tile_schedule
+    from spanattn.backends.triton.columns import INFO
+    from spanattn.backends.triton.schedule import build_schedule
+    from spanattn.backends.triton.schedule_triton import tile_schedule
 
     batch = sa.Batch(
         [sa.Seq(q_len=40, kv_len=100), sa.Seq(q_len=1, kv_len=7), sa.Seq(q_len=33, causal=False)]
@@ -216,7 +218,8 @@ def test_schedule_key_walks_hold_every_row(batch, layer):
     """Each tile walks keys ``[kv_start, kv_end)`` holding all its rows' intervals, from a
     multiple of block_n; its FULL range (multiples of block_n, or empty) lies inside every row's
     interval."""
-    from spanattn.backends.triton.schedule import INFO, build_schedule
+    from spanattn.backends.triton.columns import INFO
+    from spanattn.backends.triton.schedule import build_schedule
 
     p = sa.plan(batch, layer)
     lo, hi = p.lo.tolist(), p.hi.tolist()

@@ -188,7 +188,7 @@ def test_launch_binds_every_kernel_argument(d, paged):
 
     from spanattn.backends.triton import GLUON_KERNELS, _gluon_module
     from spanattn.backends.triton.configs import pick_gluon
-    from spanattn.backends.triton.schedule import tile_schedule
+    from spanattn.backends.triton.schedule_triton import tile_schedule
 
     cfg = pick_gluon(d, torch.bfloat16)
     module = _gluon_module(GLUON_KERNELS[(d, cfg.block_m)])

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Pack FlashAttention-4 and its CuTe DSL runtime (python 3.12, x86-64, CUDA 13) into ONE archive
-# that fits a device call (64 MiB for the whole tree): the cu13 library wheel alone is 92 MB
-# zipped; xz with the x86 branch filter and a dictionary larger than its 188 MB library brings
-# everything to ~55 MiB. Takes ~6 minutes on 2 cores. Keep the output git-ignored.
+# for a GPU machine that cannot install packages and takes at most 64 MiB of files: the cu13
+# library wheel alone is 92 MB zipped; xz with the x86 branch filter and a dictionary larger than
+# its 188 MB library brings everything to ~55 MiB. Takes ~6 minutes on 2 cores. Keep the output
+# git-ignored.
 #
 #   bash tools/fa4_bundle.sh [.fa4]          # -> .fa4/fa4.tar.xz
 #
-# On the device (benchmarks/README.md, fa4 section):
+# On the GPU machine, before benchmarks/gpu_fa4.py or `spanattn bench` with FA4:
 #   python3 -c "import tarfile; tarfile.open('.fa4/fa4.tar.xz').extractall('/tmp/fa4site')"
 #   export PYTHONPATH=$PWD:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
 set -euo pipefail

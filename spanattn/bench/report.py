@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import re
 from pathlib import Path
 
 import torch
@@ -65,6 +66,20 @@ def environment(device) -> dict:
     except ImportError:
         env["triton"] = None
     return env
+
+
+def result_path(folder, topic: str, env: dict) -> Path:
+    """Where a benchmark script writes its JSON: ``folder/<date>-<topic>-<gpu>.json``, the folder
+    made if missing, ``env`` as ``environment`` returns it.
+
+    >>> import tempfile
+    >>> result_path(tempfile.mkdtemp(), "decode", {"date": "2026-11-29T09:32", "gpu": "NVIDIA H200"}).name
+    '2026-11-29-decode-h200.json'
+    """
+    gpu = re.sub(r"[^a-z0-9]+", "-", (env.get("gpu") or "cpu").lower().replace("nvidia", "")).strip("-")
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    return path / f"{env['date'][:10]}-{topic}-{gpu}.json"
 
 
 def write_json(path: Path, meta: dict, rows: list[dict]) -> None:

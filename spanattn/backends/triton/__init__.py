@@ -13,8 +13,9 @@ import os
 
 import torch
 
+from .columns import INFO
 from .configs import Config, padded_head_dim, pick, pick_gluon
-from .schedule import INFO, tile_schedule
+from .schedule_triton import tile_schedule
 from .tma_layout import tma_matrix, token_major
 
 LOG2E = 1.4426950408889634

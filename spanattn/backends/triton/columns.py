@@ -1,10 +1,15 @@
-"""The columns of the per-tile schedule table (schedule.INFO) as constexprs, so that the kernels
-that write and read it (schedule_triton.py, kernel.py, kernel_gluon.py) name a column instead of
-counting to it."""
+"""The columns of the per-tile schedule table, by name (``INFO``) and as constexpr indices, so
+that the code that builds it (schedule.py, schedule_triton.py) and the kernels that read it
+(kernel.py, gluon_parts.py) name a column instead of counting to it. Nothing here imports the
+rest of the backend: every module that touches the table sits above this one."""
 
 import triton.language as tl
 
-from .schedule import INFO
+# One row per tile: everything a program needs before its first key tile, so that it issues its
+# K/V loads after one round of scalar loads (finding the sequence, then its offsets, then
+# reducing its rows' intervals would be three dependent rounds: a few microseconds that one
+# program per SM cannot hide).
+INFO = ("q_row0", "q_row_last", "k_row0", "kv_len", "seq", "kv_start", "kv_end", "full_start", "full_end")
 
 Q_ROW0 = tl.constexpr(INFO.index("q_row0"))
 Q_ROW_LAST = tl.constexpr(INFO.index("q_row_last"))

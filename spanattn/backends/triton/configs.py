@@ -36,7 +36,7 @@ class Config:
 # d128: 4 warps on 128 x 64 tiles, two stages (96 KB: two programs per SM, one's softmax under
 # the other's MMAs) beat 8 warps on 128 x 128 x 3 stages (224 KB, one program) by 4% on S0/S2
 # while each program built its own descriptors; with host descriptors and per-tile bounds read
-# in one round (schedule.INFO), 8 warps won the geometric mean of S0/S2/S4 (s5.json), and three
+# in one round (columns.INFO), 8 warps won the geometric mean of S0/S2/S4 (s5.json), and three
 # loops on those tiles beat one loop there: S0 +2.1%, S2 +3.8%, S4 -0.9% (s7-sweep.json; 16-warp
 # 256-row tiles ran 5-20% slower). Without TMA (paged walks, pre-Hopper GPUs, misaligned
 # strides, a sequence shorter than a key tile) the same tiles are read through pointers; three

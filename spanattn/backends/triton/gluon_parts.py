@@ -17,7 +17,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .columns import FULL_END, FULL_START, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST, SEQ
+from .columns import FULL_END, FULL_START, INFO, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST, SEQ
 from .tma_layout import tma_matrix
 
 # Triton versions the Gluon kernels were checked on, on an H200. Gluon is experimental and
@@ -62,8 +62,6 @@ def launch(kernel, tile_rows: int, q_rows: int, pieces: int, q, k, v, plan, sche
     page_size, Hkv, D]`` read through ``block_table``: one program per ``tile_rows``-query tile of
     the schedule and head, Q read in ``q_rows``-row boxes, K/V tiles in ``pieces`` boxes side by
     side (of ``block_n`` rows, or ``min(page_size, block_n)`` over pages)."""
-    from .schedule import INFO
-
     assert sched.block_m == tile_rows
     hq, d = q.shape[1], q.shape[2]
     kv_rows = min(page_size, sched.block_n) if block_table is not None else sched.block_n
@@ -82,7 +80,7 @@ def launch(kernel, tile_rows: int, q_rows: int, pieces: int, q, k, v, plan, sche
 def tile_walk(TILE_INFO, BT, stride_bt, HQ: gl.constexpr, GROUP: gl.constexpr,
               N_INFO: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr):  # fmt: skip
     """This program's head, its KV head, and its query tile's row of the schedule table
-    (schedule.INFO), read in one round: the tile's first and last query rows, its sequence's first
+    (columns.INFO), read in one round: the tile's first and last query rows, its sequence's first
     key row (packed) and length, the key walk ``[kv_start, kv_start + num_tiles * BLOCK_N)`` with
     FULL tiles in ``[full_start, full_end)``, where the tile across the sequence end starts
     (``tma_last``: shifted back to end with the sequence on packed K/V, read in place over pages)

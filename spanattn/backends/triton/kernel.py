@@ -262,7 +262,7 @@ def attn_fwd(
     head = pid % HQ
     kv_head = head // GROUP
 
-    # One round of independent scalar loads (schedule.INFO), then K/V, Q and intervals together.
+    # One round of independent scalar loads (columns.INFO), then K/V, Q and intervals together.
     info = TILE_INFO + tile * N_INFO
     q_row0 = tl.load(info + Q_ROW0)
     q_row_last = tl.load(info + Q_ROW_LAST)

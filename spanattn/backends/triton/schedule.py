@@ -1,6 +1,7 @@
 """The tile schedule of one step: which queries each program handles and which keys it walks,
-heaviest tiles first. Built once per plan (no per-token Python loop, no device sync) and cached
-on it, so every layer of the step reuses it."""
+heaviest tiles first; its definition in torch ops (no per-token Python loop, no device sync).
+schedule_triton.py builds the same table in one launch and caches it on the plan, so every
+layer of the step reuses it."""
 
 from __future__ import annotations
 
@@ -8,11 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Columns of TileSchedule.info, one row per tile: everything a program needs before its first
-# key tile, so that it issues its K/V loads after one round of scalar loads (the kernel used to
-# find the sequence, then its offsets, then reduce its rows' intervals: three dependent rounds,
-# a few microseconds that one program per SM cannot hide).
-INFO = ("q_row0", "q_row_last", "k_row0", "kv_len", "seq", "kv_start", "kv_end", "full_start", "full_end")
+from .columns import INFO
 
 
 @dataclass(frozen=True)
@@ -95,17 +92,3 @@ def ordered(block_m, block_n, info, cost, lpt: bool) -> TileSchedule:
         order = torch.argsort(cost, descending=True, stable=True)
         info, cost = info[order], cost[order]
     return TileSchedule(block_m, block_n, info.contiguous(), cost.contiguous())
-
-
-def tile_schedule(plan, block_m: int, block_n: int, lpt: bool = True) -> TileSchedule:
-    """The plan's cached schedule for ``block_m x block_n`` tiles (built on the first layer of
-    a step, reused by the others)."""
-
-    def build():
-        if plan.device.type == "cuda":
-            from .schedule_triton import build_schedule_triton
-
-            return build_schedule_triton(plan, block_m, block_n, lpt)
-        return build_schedule(plan, block_m, block_n, lpt)
-
-    return plan.cached(("triton.tiles", block_m, block_n, lpt), build)

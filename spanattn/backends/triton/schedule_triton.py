@@ -1,7 +1,8 @@
-"""The tile schedule of schedule.py in one Triton launch (plus the LPT sort). The torch
-definition is ~30 small kernels, whose int64 scatter-min/max over 32k tokens alone took 0.4 ms
-of GPU time and the whole build 4-6 ms of wall time per step on an H200 (results/
-2026-11-29-triton-h200-s4.json, ``schedule_ms``); tests hold the two equal."""
+"""The tile schedule of schedule.py in one Triton launch (plus the LPT sort), and the plan's
+cached schedule that the backend asks for (``tile_schedule``: this launch on CUDA, the torch
+definition elsewhere). The torch definition is ~30 small kernels, whose int64 scatter-min/max
+over 32k tokens alone took 0.4 ms of GPU time and the whole build 4-6 ms of wall time per step
+on an H200 (results/2026-11-29-triton-h200-s4.json, ``schedule_ms``); tests hold the two equal."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .columns import FULL_END, FULL_START, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST, SEQ
-from .schedule import INFO, TileSchedule, ordered, tile_starts
+from .columns import FULL_END, FULL_START, INFO, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST, SEQ
+from .schedule import TileSchedule, build_schedule, ordered, tile_starts
 
 
 @triton.jit(do_not_specialize=["num_tiles"])  # changes every step: never a reason to recompile
@@ -58,3 +59,15 @@ def build_schedule_triton(plan, block_m: int, block_n: int, lpt: bool = True) ->
         BLOCK_M=block_m, BLOCK_N=block_n, N_INFO=len(INFO),
     )  # fmt: skip
     return ordered(block_m, block_n, info, cost, lpt)
+
+
+def tile_schedule(plan, block_m: int, block_n: int, lpt: bool = True) -> TileSchedule:
+    """The plan's cached schedule for ``block_m x block_n`` tiles (built on the first layer of
+    a step, reused by the others)."""
+
+    def build():
+        if plan.device.type == "cuda":
+            return build_schedule_triton(plan, block_m, block_n, lpt)
+        return build_schedule(plan, block_m, block_n, lpt)
+
+    return plan.cached(("triton.tiles", block_m, block_n, lpt), build)
