@@ -5,7 +5,7 @@
 
 Lengths up to --max-tokens keys per step, head_dim 64-512 (each backend where it runs), GQA
 1/2/4/8, windows 1..N, all span modes, causal and non-causal rows, packed and paged K/V, bf16 and
-fp16, softcap. Writes fuzz-<backends>.json: the seed, per backend the steps run, passed and
+fp16, softcap. Writes <date>-fuzz-<backends>-<gpu>.json: the seed, per backend the steps run, passed and
 skipped, the worst err/bound ratio, isolation checks and every failure with its step.
 """
 
@@ -15,10 +15,9 @@ import argparse
 import json
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 from spanattn.bench.fuzz import MODELS_GPU, fuzz
-from spanattn.bench.report import environment
+from spanattn.bench.report import environment, result_path
 
 
 def main():
@@ -27,7 +26,7 @@ def main():
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=10000)
-    ap.add_argument("--out", required=True, help="folder for fuzz-<backends>.json")
+    ap.add_argument("--out", required=True, help="folder for the JSON")
     args = ap.parse_args()
     t0 = time.time()
     log = lambda msg: print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
@@ -41,9 +40,7 @@ def main():
         res["flash_attn_4"] = getattr(flash_attn, "__version__", "?")
     except ImportError:
         pass
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"fuzz-{'-'.join(backends)}.json"
+    path = result_path(args.out, f"fuzz-{'-'.join(backends)}", res)
     path.write_text(json.dumps(res, indent=1))
     log(f"wrote {path}")
 

@@ -13,7 +13,7 @@ triton. Per scenario this times, in alternating rounds with calls back to back:
 - triton and ``auto`` (and which backend auto picked), and FA4's built-in causal/window kernel
   (the speed of light: it ignores spans).
 
-Each row also says whether the isolated call copied anything. Writes isolation.json to --out.
+Each row also says whether the isolated call copied anything. Writes <date>-isolation-<gpu>.json.
 """
 
 from __future__ import annotations
@@ -22,13 +22,12 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 import spanattn as sa
 from spanattn.backends import fa4, flex
-from spanattn.bench.report import environment
+from spanattn.bench.report import environment, result_path
 from spanattn.bench.timing import kernel_ms
 from spanattn.scenarios import HKV, HQ, scenarios
 from spanattn.tiles import packed_intervals, tile_tables
@@ -124,7 +123,7 @@ def bench(sid, sc, d, rounds, log):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="folder for isolation.json")
+    ap.add_argument("--out", required=True, help="folder for the JSON")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--scenarios", default="S0,S1,S2,S3,S4")
     args = ap.parse_args()
@@ -137,10 +136,9 @@ def main():
         if sid in args.scenarios.split(","):
             for d in (x for x in sc.head_dims if x <= 256):
                 res["rows"].append(bench(sid, sc, d, args.rounds, log))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "isolation.json").write_text(json.dumps(res, indent=1))
-    log(f"wrote {out / 'isolation.json'}")
+    path = result_path(args.out, "isolation", res)
+    path.write_text(json.dumps(res, indent=1))
+    log(f"wrote {path}")
 
 
 if __name__ == "__main__":
