@@ -20,8 +20,8 @@ from .tma_layout import tma_matrix, token_major
 
 LOG2E = 1.4426950408889634
 # SPANATTN_TRITON_GLUON=0 keeps every step on kernel.py (a check against the Gluon kernels, or a
-# way around them on a toolchain where they misbehave); =1 runs them also on triton versions
-# they were not checked on (gluon_parts.CHECKED_TRITON). Read per call.
+# way around them on a toolchain where they misbehave); =1 runs them on any triton without their
+# self-check (gluon_check.py), =check self-checks them on any triton. Read per call.
 GLUON_ENV = "SPANATTN_TRITON_GLUON"
 AUTO_NEEDS_CUDA = True  # backend="auto" never picks the interpreter; naming "triton" still can
 
@@ -136,15 +136,23 @@ def gluon_runs_for(q, plan, cfg: Config) -> bool:
 
 
 def gluon_runs_on(device, name: str = "kernel_gluon") -> bool:
-    """Can Gluon kernel module ``name`` run on ``device``? An sm_90 GPU (its MMAs are Hopper's), a
-    triton with Gluon that the kernels were checked on (or ``SPANATTN_TRITON_GLUON=1``; ``=0``:
-    never)."""
+    """Can Gluon kernel module ``name`` run on ``device``? An sm_90 GPU (its MMAs are Hopper's)
+    and a triton with Gluon: one the kernels were checked on, or one where they pass their
+    first-use self-check (gluon_check.py). ``SPANATTN_TRITON_GLUON=1`` skips the check, ``=0``
+    never runs them, ``=check`` runs the self-check on any triton."""
     setting = os.environ.get(GLUON_ENV, "")
     if setting == "0" or torch.device(device).type != "cuda":
         return False
     if torch.cuda.get_device_capability(device) != (9, 0) or _gluon_module(name) is None:
         return False
-    return setting == "1" or _gluon_module("gluon_parts").checked_triton()
+    from . import gluon_check
+
+    if setting == "1" or gluon_check.running(name):
+        return True
+    if setting != "check" and _gluon_module("gluon_parts").checked_triton():
+        return True
+    index = torch.device(device).index
+    return gluon_check.passes(name, torch.cuda.current_device() if index is None else index)
 
 
 @functools.cache

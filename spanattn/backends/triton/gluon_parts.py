@@ -22,8 +22,8 @@ from .tma_layout import tma_matrix
 
 # Triton versions the Gluon kernels were checked on, on an H200. Gluon is experimental and
 # changes between releases (triton 3.9 renamed the TMA copy); the kernels compile for sm_90 on
-# 3.9 as well (tests/test_kernels_compile.py), but run there only when asked
-# (SPANATTN_TRITON_GLUON=1).
+# 3.9 as well (tests/test_kernels_compile.py). On other versions they run once they pass their
+# first-use self-check (gluon_check.py).
 CHECKED_TRITON = ("3.6.",)
 
 # TMA's global-to-shared copy: ``async_copy_global_to_shared`` in triton 3.6, ``async_load`` later.

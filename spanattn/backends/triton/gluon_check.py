@@ -1,0 +1,107 @@
+"""A first-use self-check of the Gluon kernels on a triton they were not checked on.
+
+Gluon is experimental and changes between triton releases; a user who installs today's torch
+gets a newer triton than the one the kernels were checked on (gluon_parts.CHECKED_TRITON).
+Rather than pin the fast path to that version, the first step that would run a Gluon kernel
+module on such a triton first runs it on a small step of every variant it serves (each head_dim,
+packed and paged K/V, a window with spans and a global layer) against the fp64 truth
+(spanattn.oracle). If every variant compiles and passes, the module runs from then on; if one
+fails, one warning says why and the plain Triton kernel runs instead. Once per module, device and
+process: about a second of compiling per variant, on the first step only.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+# head_dims each Gluon module serves (GLUON_KERNELS in __init__.py)
+HEAD_DIMS = {"kernel_gluon": (128, 256), "kernel_gluon_split": (512,)}
+_RUNNING: set[str] = set()  # modules under check: their own check must reach them
+
+
+def running(name: str) -> bool:
+    return name in _RUNNING
+
+
+def _variants(head_dims):
+    import spanattn as sa
+
+    seqs = [sa.Seq(q_len=200, kv_len=333, spans=[(40, 250)]), sa.Seq(q_len=130, kv_len=130, causal=False),
+            sa.Seq(q_len=70, kv_len=190, spans=[(100, 160)])]  # fmt: skip
+    for d in head_dims:
+        for layer in (sa.LayerMask(window=64, spans="clamp"), sa.LayerMask(spans="on")):
+            for page in (None, 64):
+                yield d, sa.Batch(seqs), layer, page
+
+
+def _one(d, batch, layer, page, device) -> str | None:
+    """Why this variant fails, or None."""
+    import spanattn as sa
+    from spanattn.oracle import Truth
+
+    from . import forward
+    from .configs import pick_gluon
+
+    p = sa.plan(batch, layer, device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(n, h, d, device=device, dtype=torch.bfloat16, generator=g)
+               for n, h in ((p.total_q, 4), (p.total_k, 2), (p.total_k, 2)))  # fmt: skip
+    opts = dict(scale=d**-0.5, return_lse=True, out=torch.full_like(q, float("nan")))
+    if page is None:
+        from . import uses_gluon
+
+        if not uses_gluon(q, k, v, p, pick_gluon(d, q.dtype)):
+            return "the check step would not reach the Gluon kernel"
+        out, lse = forward(q, k, v, p, **opts)
+    else:
+        need = [-(-s.kv_len // page) for s in batch.seqs]
+        bt = torch.arange(sum(need), device=device, dtype=torch.int32).flip(0)
+        table = torch.zeros(len(need), max(need), dtype=torch.int32, device=device)
+        kc = torch.full((sum(need), page, 2, d), float("nan"), dtype=q.dtype, device=device)
+        vc = torch.full_like(kc, float("nan"))
+        used, cu = 0, p.cu_seqlens_k.tolist()
+        for i, n in enumerate(need):
+            table[i, :n] = bt[used : used + n]
+            used += n
+            for j in range(n):
+                rows = slice(cu[i] + j * page, min(cu[i + 1], cu[i] + (j + 1) * page))
+                kc[table[i, j], : rows.stop - rows.start] = k[rows]
+                vc[table[i, j], : rows.stop - rows.start] = v[rows]
+        out, lse = forward(q, kc, vc, p, block_table=table, **opts)
+    verdict = Truth(q, k, v, p, scale=d**-0.5).check(out, lse, rounding_slack=True)
+    return None if verdict.ok else f"head_dim {d}, {layer}, page {page}: {verdict}"
+
+
+def self_check(name: str, device, run=_one) -> bool:
+    """Run Gluon module ``name`` on its check variants; warn once and return False on the first
+    failure (a wrong result or any exception, e.g. a Gluon API the installed triton lacks)."""
+    import triton
+
+    _RUNNING.add(name)
+    try:
+        for variant in _variants(HEAD_DIMS[name]):
+            why = run(*variant, device)
+            if why is not None:
+                break
+    except Exception as e:  # compile errors of a changed Gluon API land here
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    finally:
+        _RUNNING.discard(name)
+    if why is not None:
+        warnings.warn(
+            f"spanattn: the Gluon kernel {name} failed its self-check on triton {triton.__version__} "
+            f"({why}); the plain Triton kernel runs instead (SPANATTN_TRITON_GLUON=1 forces it)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
+@functools.cache
+def passes(name: str, device_index: int) -> bool:
+    """:func:`self_check` once per module and device."""
+    return self_check(name, torch.device("cuda", device_index))

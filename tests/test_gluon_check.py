@@ -1,0 +1,53 @@
+"""The Gluon kernels' first-use self-check: on CPU its decisions with stand-in runs; on an H200
+the real check of both Gluon modules passes."""
+
+import warnings
+
+import pytest
+import torch
+
+from spanattn.backends.triton import gluon_check
+
+
+def test_every_variant_passing_enables_the_module():
+    seen = []
+
+    def run(d, batch, layer, page, device):
+        assert gluon_check.running("kernel_gluon")  # the check itself must reach the kernel
+        seen.append((d, layer.spans, page))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert gluon_check.self_check("kernel_gluon", "cpu", run=run)
+    assert {x[0] for x in seen} == {128, 256} and {x[2] for x in seen} == {None, 64} and len(seen) == 8
+    assert not gluon_check.running("kernel_gluon")
+
+
+@pytest.mark.parametrize("failure", ["wrong", "raise"])
+def test_a_failing_variant_warns_once_and_falls_back(failure):
+    calls = []
+
+    def run(d, batch, layer, page, device):
+        calls.append(d)
+        if len(calls) == 2:
+            if failure == "raise":
+                raise AttributeError("module 'gluon' has no attribute 'warpgroup_mma'")
+            return "head_dim 512: err 0.3 (bound 0.01)"
+
+    with pytest.warns(
+        RuntimeWarning, match="kernel_gluon_split failed its self-check.*plain Triton kernel"
+    ) as w:
+        assert not gluon_check.self_check("kernel_gluon_split", "cpu", run=run)
+    assert len(w) == 1 and len(calls) == 2  # stops at the first failure
+    assert ("warpgroup_mma" if failure == "raise" else "err 0.3") in str(w[0].message)
+    assert not gluon_check.running("kernel_gluon_split")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU"
+)
+@pytest.mark.parametrize("name", ["kernel_gluon", "kernel_gluon_split"])
+def test_the_real_check_passes_on_hopper(name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert gluon_check.self_check(name, torch.device("cuda"))
