@@ -26,12 +26,14 @@ def main():
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=10000)
+    ap.add_argument("--max-seconds", type=float, default=None, help="stop early (the JSON says how many ran)")
     ap.add_argument("--out", required=True, help="folder for the JSON")
     args = ap.parse_args()
     t0 = time.time()
     log = lambda msg: print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
     backends = args.backends.split(",")
-    tallies = fuzz(args.steps, args.seed, "cuda", backends, MODELS_GPU, args.max_tokens, log=log)
+    tallies = fuzz(args.steps, args.seed, "cuda", backends, MODELS_GPU, args.max_tokens, log=log,
+                   max_seconds=args.max_seconds)  # fmt: skip
     res = {**environment("cuda"), "seed": args.seed, "steps": args.steps, "max_tokens": args.max_tokens}
     res |= {"seconds": round(time.time() - t0, 1), "backends": {n: asdict(t) for n, t in tallies.items()}}
     try:

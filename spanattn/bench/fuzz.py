@@ -18,6 +18,7 @@ True
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -108,14 +109,14 @@ def inputs(case: Case, device, seed: int):
     holding each sequence's keys in shuffled pages (else kc = vc = block_table = None)."""
     d, hq, hkv, dtype, _ = case.model
     p = sa.plan(case.batch, case.layer, device=device)
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(n, h, d, generator=g).to(dtype).to(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = (torch.randn(n, h, d, generator=g, device=device).to(dtype)
                for n, h in ((p.total_q, hq), (p.total_k, hkv), (p.total_k, hkv)))  # fmt: skip
     if case.page_size is None:
         return p, q, k, v, None, None, None
     page = case.page_size
     need = [-(-s.kv_len // page) for s in case.batch.seqs]
-    ids = torch.randperm(sum(need) + 2, generator=g)
+    ids = torch.randperm(sum(need) + 2, generator=torch.Generator().manual_seed(seed))
     bt = torch.full((len(need), max(need) + 1), int(ids[-1]), dtype=torch.int32)  # spare: stale page
     kc = torch.full((len(ids), page, hkv, d), float("nan"), dtype=dtype, device=device)
     vc = torch.full_like(kc, float("nan"))
@@ -189,11 +190,16 @@ def fuzz(
     max_tokens: int,
     isolate_every: int = 10,
     log=None,
+    max_seconds: float | None = None,
 ) -> dict:
-    """``steps`` random cases (seeded); returns one :class:`Tally` per backend."""
+    """``steps`` random cases (seeded; fewer if ``max_seconds`` runs out first: the tallies say
+    how many ran); returns one :class:`Tally` per backend."""
     rng = random.Random(seed)
     tallies = {name: Tally() for name in backends}
+    start = time.perf_counter()
     for i in range(steps):
+        if max_seconds is not None and time.perf_counter() - start > max_seconds:
+            break
         case = random_case(rng, models, max_tokens)
         run_case(case, seed * 100_000 + i, device, backends, tallies, i % isolate_every == 0, rng)
         if log and (i + 1) % max(1, steps // 20) == 0:
