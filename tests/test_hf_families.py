@@ -113,21 +113,19 @@ def _diffusion_step(model, kw, canvas):
     ids, pad = kw["input_ids"], kw["attention_mask"].bool()
     cache = transformers.DynamicCache(config=model.config.get_text_config())
     position_ids = torch.arange(ids.shape[1])[None]
+    embeds = torch.empty(*ids.shape, 0)  # positional: the cache argument was renamed in 5.2x
+    types = kw.get("mm_token_type_ids")
     masks = model.model.encoder.create_masks_for_generate(
-        config=model.config,
-        inputs_embeds=torch.empty(*ids.shape, 0),
-        attention_mask=pad,
-        cache=cache,
-        position_ids=position_ids,
-        mm_token_type_ids=kw.get("mm_token_type_ids"),
+        model.config, embeds, pad, cache, position_ids, types
     )
     images = {k: v for k, v in kw.items() if k in ("pixel_values", "image_position_ids", "mm_token_type_ids")}
     decoder_mask = torch.nn.functional.pad(pad, (0, hm.CANVAS), value=True)
+    name = hm.cache_kwarg(model)
     with torch.no_grad():
         model.model.encoder(
-            input_ids=ids, attention_mask=masks, cache=cache, position_ids=position_ids, **images
+            input_ids=ids, attention_mask=masks, position_ids=position_ids, **{name: cache}, **images
         )
-        out = model(decoder_input_ids=canvas, cache=cache, decoder_attention_mask=decoder_mask)
+        out = model(decoder_input_ids=canvas, decoder_attention_mask=decoder_mask, **{name: cache})
     return out.logits
 
 

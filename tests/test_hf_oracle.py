@@ -56,13 +56,8 @@ def _pi0(config, embeds, pad, cache, position_ids, types):
     the prefix and the state one block, the actions another."""
     prefix, q = cache.get_seq_length(), embeds.shape[1]
     blocks = torch.tensor([0] * (prefix + 1) + [1] * (q - 1))[None].repeat(embeds.shape[0], 1)
-    return masking_utils.create_causal_mask(
-        config=config.dit_config,
-        inputs_embeds=embeds,
-        attention_mask=pad,
-        cache=cache,
-        block_sequence_ids=blocks,
-    )
+    # positional: the cache argument was renamed in 5.2x
+    return masking_utils.create_causal_mask(config.dit_config, embeds, pad, cache, block_sequence_ids=blocks)
 
 
 # name: (family, token values a layout draws from, the family's mask construction)
@@ -121,8 +116,8 @@ def filled_cache(cfg, kind: str, batch: int, ctx: int, length: int):
         if kind == "dynamic"
         else transformers.StaticCache(config=text, max_cache_len=length + 3)
     )
-    for layer in range(text.num_hidden_layers):
-        if not cache.is_dummy[layer]:  # Gemma 4's KV-shared layers keep nothing
+    for layer in range(len(cache.layers)):
+        if not getattr(cache, "is_dummy", [False] * (layer + 1))[layer]:  # Gemma 4's KV-shared layers
             kv = torch.zeros(batch, 1, ctx, 8)
             cache.update(kv, kv, layer)
     return cache
@@ -241,7 +236,7 @@ def test_diffusion_gemma_canvas():
             cfg = config("diffusion_gemma", hm.W, attn)
             cache = filled_cache(cfg, "dynamic", 2, prefix, prefix)
             out[attn] = DiffusionGemmaDecoderModel.create_diffusion_decoder_attention_mask(
-                cfg, torch.zeros(2, hm.CANVAS, 16), cache, decoder_attention_mask=pad
+                cfg, torch.zeros(2, hm.CANVAS, 16), cache, pad
             )
         for kind, mask in out["eager"].items():
             mine, want = as_dense(None, out[sahf.NAME][kind], hm.CANVAS), as_dense(mask, None, hm.CANVAS)
