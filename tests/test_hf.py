@@ -100,6 +100,26 @@ def test_static_cache(name):
     assert max(rel(y, x) for x, y in zip(a.logits, b.logits)) < TOL
 
 
+@pytest.mark.parametrize("name", ["gemma3", "gemma4"])
+def test_static_cache_chunked_forward(name):
+    """Two prefill chunks into a StaticCache longer than the prompt: the second chunk's queries
+    sit inside the buffer, not at its end (at 21 the sliding layers' window has moved)."""
+    eager = hm.build(name)
+    ours = sahf.enable(copy.deepcopy(eager))
+    kw = hm.row(name, hm.inputs(name, pixels=False), 0)
+    key, ctx = hm.FAMILIES[name][1], 21
+    outs = []
+    for model in (eager, ours):
+        cache = transformers.StaticCache(config=model.config.get_text_config(), max_cache_len=64)
+        first = {"input_ids": kw["input_ids"][:, :ctx], key: kw[key][:, :ctx]}
+        rest = {"input_ids": kw["input_ids"][:, ctx:], key: kw[key]}
+        with torch.no_grad():
+            model(**first, use_cache=True, **{hm.cache_kwarg(model): cache})
+            outs.append(model(**rest, use_cache=True, **{hm.cache_kwarg(model): cache}).logits)
+    assert rel(outs[1], outs[0]) < TOL
+    assert rel(outs[1], logits(ours, kw)[:, ctx:]) < TOL
+
+
 def test_one_plan_per_layer_kind(models, monkeypatch):
     name, _, ours = models
     calls = []
