@@ -199,6 +199,15 @@ def test_refused_by_name():
     cfg = transformers.Gemma3TextConfig(**hm.TEXT, use_bidirectional_attention=True)
     with pytest.raises(NotImplementedError, match="Gemma 3 model: use_bidirectional_attention=True"):
         sahf.enable(transformers.Gemma3ForCausalLM(cfg))
+    # the one-line entry too, though its layers look like an encoder's (bidirectional, no cache)
+    cfg = transformers.Gemma4TextConfig(
+        **hm.TEXT,
+        layer_types=["full_attention"] * 4,
+        use_bidirectional_attention="all",
+        attn_implementation=sahf.NAME,
+    )
+    with pytest.raises(NotImplementedError, match="Gemma 4 model: use_bidirectional_attention='all'"):
+        logits(transformers.Gemma4ForCausalLM(cfg), {"input_ids": torch.tensor([[1, 2, 3]])})
     # Gemma 3's text model would hand PaliGemma's one mask to both of its layer kinds
     text = dict(hm.TEXT, model_type="gemma3_text")
     pali = transformers.PaliGemmaConfig(

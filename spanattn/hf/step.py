@@ -17,6 +17,7 @@ import torch
 
 import spanattn as sa
 
+from .families import family_of
 from .mask_functions import MaskRule, is_bidirectional, read_mask_function
 from .options import Options, options_of
 
@@ -195,6 +196,10 @@ def step_mask(
         q_offset = kw["cache_position"][0] if kw.get("cache_position") is not None else 0
     q_offset = int(q_offset)  # a StaticCache keeps it on the device: one copy per forward and kind
     if is_bidirectional(mask_function) and q_offset == 0 and int(kv_offset) == 0:
+        family = family_of(config) if config is not None else None
+        why = family.refuse(config) if family is not None else None
+        if why:  # a text stack configured as an encoder, not a tower
+            raise NotImplementedError(f"spanattn.hf does not serve this {family.name} model: {why}")
         return masking_utils.sdpa_mask(
             batch_size=batch_size,
             q_length=q_length,
