@@ -23,10 +23,9 @@ twice the reference's own bf16 error plus 1e-2 (DESIGN.md's rule, at stack level
 from __future__ import annotations
 
 import argparse
-import datetime
+import importlib.util
 import inspect
 import json
-import pathlib
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ import torch
 
 import spanattn
 import spanattn.hf
+from spanattn.bench.report import environment, result_path
 from spanattn.hf.families import stack_configs
 
 VOCAB, IMG = 4096, 4000
@@ -347,7 +347,7 @@ def exactness(family: Family, model, n: int, hidden: dict, device, tiny: bool) -
     return out
 
 
-def plot(rows: list, path: pathlib.Path) -> None:
+def plot(rows: list, path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -372,7 +372,7 @@ def plot(rows: list, path: pathlib.Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="directory for hf_families.json (and .png)")
+    ap.add_argument("--out", required=True, help="folder for <date>-hf-families-<gpu>.json (and .png)")
     ap.add_argument("--tiny", action="store_true", help="toy sizes on CPU in fp32 (smoke test)")
     ap.add_argument("--sizes", type=int, nargs="*", help="prompt lengths (default 8192 32768; tiny 256 512)")
     ap.add_argument("--families", help="comma-separated subset of: " + ", ".join(f.needs for f in FAMILIES))
@@ -397,10 +397,7 @@ def main(argv=None) -> int:
         rows += family_rows
     report = {
         "what": "prefill with images per transformers family: spanattn.hf (backend auto) vs SDPA and eager",
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
-        "torch": torch.__version__,
-        "triton": _version("triton"),
+        **environment(device),
         "transformers": transformers.__version__,
         "dtype": str(dtype),
         "timing": f"median of {args.repeats} after {args.warmup} warm-up, use_cache=True (DynamicCache)",
@@ -414,20 +411,12 @@ def main(argv=None) -> int:
         "missing": missing,
         "seconds": time.perf_counter() - started,
     }
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "hf_families.json").write_text(json.dumps(report, indent=1))
-    if any(k.startswith("speedup") for r in rows for k in r) and _version("matplotlib"):
-        plot(rows, out / "hf_families.png")
-    print(f"wrote {out / 'hf_families.json'} in {report['seconds']:.0f} s", flush=True)
+    path = result_path(args.out, "hf-families", report)
+    path.write_text(json.dumps(report, indent=1))
+    if any(k.startswith("speedup") for r in rows for k in r) and importlib.util.find_spec("matplotlib"):
+        plot(rows, path.with_suffix(".png"))
+    print(f"wrote {path} in {report['seconds']:.0f} s", flush=True)
     return 0 if all(c.get("ok") for c in checks.values()) else 1
-
-
-def _version(module: str) -> str | None:
-    try:
-        return __import__(module).__version__
-    except ImportError:
-        return None
 
 
 if __name__ == "__main__":
