@@ -26,6 +26,7 @@ import argparse
 import importlib.util
 import inspect
 import json
+import os
 import statistics
 import sys
 import time
@@ -33,10 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
-import spanattn
-import spanattn.hf
-from spanattn.bench.report import environment, result_path
-from spanattn.hf.families import stack_configs
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import spanattn  # noqa: E402
+import spanattn.hf  # noqa: E402
+from spanattn.bench.report import environment, result_path  # noqa: E402
+from spanattn.hf.families import stack_configs  # noqa: E402
 
 VOCAB, IMG = 4096, 4000
 
