@@ -161,7 +161,7 @@ def main(argv=None):
     import transformers
 
     model, kinds = build(shape, args.layers, device, dtype)
-    spanattn.hf.enable(model, backend=backend)  # registers the hooks; the switch is the config
+    spanattn.hf.enable(model, backend=backend)  # sets the options; the switch is the config
     text_cfg = model.config.get_text_config()
     rows, tails = [], {}
     for n in sizes:

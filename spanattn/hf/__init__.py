@@ -1,0 +1,45 @@
+"""transformers integration: a model's text attention computed by spanattn, no dense mask built.
+
+    import spanattn.hf                       # registers attn_implementation="spanattn"
+    model = Gemma3ForConditionalGeneration.from_pretrained(path, attn_implementation="spanattn")
+    spanattn.hf.enable(model, backend="triton")   # or: a model already loaded; options
+
+Families: Gemma 3, Gemma 4, Gemma 4 unified, DiffusionGemma, PaliGemma (1 and 2), Molmo2 (one
+image per request until span groups land), PI0, and causal decoders that transformers lets run
+flash attention. Each layer kind's policy is read from the mask the model's own code builds
+(:mod:`spanattn.hf.mask_functions`), its spans from the block ids that code computes.
+
+How it plugs in (transformers >= 5):
+- ``AttentionMaskInterface``: mask creation returns a :class:`StepMask` (policy, 2D padding mask,
+  KV offsets, spans: O(batch x tokens)) instead of an O(q x kv) tensor, once per forward and
+  layer kind, so the Plan cached on it is shared by every layer of that kind.
+- ``AttentionInterface``: packs ``[B, H, S, D]`` into varlen ``[tokens, H, D]`` (padding dropped)
+  and calls :func:`spanattn.attention`. Encoder layers (vision and audio towers: bidirectional
+  over their own inputs, no cache) keep transformers' SDPA.
+
+Supported: forward passes, ``generate()`` with a DynamicCache or a StaticCache, chunked prefill
+(token types of the whole prompt with each chunk), left padding (rows ``0..0 1..1``). Raised:
+right or inner padding, attention dropout, prepared 4D masks, span groups, masks spanattn has no
+policy for (named in the error).
+"""
+
+from __future__ import annotations
+
+from .attention import attention_forward
+from .families import FAMILIES, disable, enable, family_of, register
+from .options import NAME
+from .step import StepMask, step_mask
+
+__all__ = [
+    "FAMILIES",
+    "NAME",
+    "StepMask",
+    "attention_forward",
+    "disable",
+    "enable",
+    "family_of",
+    "register",
+    "step_mask",
+]
+
+register()

@@ -1,0 +1,73 @@
+"""The ``AttentionInterface`` entry: transformers' ``[B, H, S, D]`` attention call computed by
+:func:`spanattn.attention` on packed varlen rows, under the :class:`StepMask` of its layer kind."""
+
+from __future__ import annotations
+
+import torch
+
+import spanattn as sa
+
+from .options import NAME, options_of
+from .step import StepMask
+
+# Attention classes whose model calls them without a mask when nothing is padded, meaning every
+# key: DiffusionGemma's decoder canvas over the prefix its layer keeps plus the canvas.
+UNMASKED_CANVASES = ("DiffusionGemmaDecoderTextAttention",)
+
+
+def _pack(x: torch.Tensor, rows, dense: bool, col: int) -> torch.Tensor:
+    """``[B, H, S, D]`` to varlen ``[tokens, H, D]``: row ``r[0]`` from index ``r[col]`` up to
+    ``r[col + 1]`` (or to the end) for each planned row ``r``."""
+    b, h, s, d = x.shape
+    end = lambda r: r[col + 1] if col + 1 < len(r) else s
+    if b == 1 and len(rows) == 1:  # a strided view, no copy: backends take any token/head strides
+        return x[0, :, rows[0][col] : end(rows[0])].transpose(0, 1)
+    if dense:
+        return x.transpose(1, 2).reshape(b * s, h, d)
+    return torch.cat([x[r[0], :, r[col] : end(r)].transpose(0, 1) for r in rows])
+
+
+def _not_ours(module, query, key, value, attention_mask, **kwargs):
+    """Layers spanattn does not run (encoders: vision and audio towers) keep transformers' SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Same contract as transformers' eager attention; returns ``(out [B, S, Hq, D], None)``."""
+    b, _, sq, _ = query.shape
+    sk = key.shape[2]
+    step = attention_mask
+    if not isinstance(step, StepMask):
+        if step is None and type(module).__name__ in UNMASKED_CANVASES:
+            step = StepMask.every_key(b, sq, sk, options_of(module.config))
+        elif not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+            return _not_ours(
+                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+            )
+        else:
+            raise TypeError(
+                f"attn_implementation={NAME!r} builds its own mask from the 2D attention_mask; "
+                f"{type(module).__name__} got {type(attention_mask).__name__} (a prepared 4D mask?)"
+            )
+    if dropout and module.training:
+        raise NotImplementedError("spanattn.hf has no attention dropout")
+    plan, rows = step.plan(sq, sk, query.device)
+    if plan is None:  # only padding queries: their output is zero
+        return query.new_zeros(b, sq, query.shape[1], value.shape[3]), None
+    every_row = len(rows) == b
+    dense_q = every_row and all(q0 == 0 for _, q0, _, _ in rows)
+    dense_k = every_row and all(k0 == 0 and k1 == sk for _, _, k0, k1 in rows)
+    q = _pack(query, [r[:2] for r in rows], dense_q, 1)
+    k, v = (_pack(x, rows, dense_k, 2) for x in (key, value))
+    o = sa.attention(
+        q, k, v, plan, backend=step.options.backend, scale=scaling, softcap=kwargs.get("softcap")
+    )
+    if dense_q:
+        return o.view(b, sq, *o.shape[1:]), None
+    out, start = query.new_zeros(b, sq, *o.shape[1:]), 0
+    for (row, q0, _, _), seq in zip(rows, plan.batch.seqs):
+        out[row, q0:] = o[start : start + seq.q_len]
+        start += seq.q_len
+    return out, None

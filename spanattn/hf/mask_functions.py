@@ -1,0 +1,148 @@
+"""The mask a model's own code builds, read back in spanattn's terms.
+
+transformers composes every mask from a few index functions of ``masking_utils``: causal,
+bidirectional, a past sliding window (``sliding_window_overlay``), image blocks
+(``blockwise_overlay(block_sequence_ids)``), joined by ``and_masks`` / ``or_masks``. Each family's
+mask code picks a composition; this module reads it back from the functions' closures (never by
+evaluating it over ``[q, kv]``) and names the layer policy it equals:
+
+    causal                                  LayerMask(None, "off")
+    and(causal, window W)                   LayerMask(W, "off")
+    or(causal, blocks)                      LayerMask(None, "on")     e.g. Gemma 3 global layers
+    or(and(causal, window W), blocks)       LayerMask(W, "on")        e.g. PaliGemma 2 sliding layers
+    and(or(causal, blocks), window W)       LayerMask(W, "clamp")     e.g. Gemma 3 / 4 sliding layers
+    bidirectional                           non-causal rows, every key (DiffusionGemma's canvas)
+
+Any other composition is refused with its formula, e.g. ``or(causal, gemma3._bidirectional_window_overlay)``.
+
+>>> from transformers import masking_utils as mu
+>>> fn = mu.and_masks(mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(None)),
+...                   mu.sliding_window_overlay(512))
+>>> read_mask_function(fn).layer
+LayerMask(window=512, spans='clamp', noncausal_window='exclusive')
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import Any
+
+import spanattn as sa
+
+
+@dataclass(frozen=True)
+class MaskRule:
+    """A layer kind's mask: the policy, whether its rows are causal, and the block ids
+    (``[batch, positions]``, -1 outside any block) whose runs are its spans."""
+
+    layer: sa.LayerMask
+    causal: bool = True
+    blocks: Any = None
+
+
+@functools.cache
+def _kinds() -> dict:
+    """Code objects of transformers' composable mask functions, by what they mean."""
+    from transformers import masking_utils as mu
+
+    return {
+        mu.and_masks(mu.causal_mask_function).__code__: "and",
+        mu.or_masks(mu.causal_mask_function).__code__: "or",
+        mu.sliding_window_overlay(1).__code__: "window",
+        mu.blockwise_overlay(None).__code__: "blocks",
+    }
+
+
+def _leaf(fn) -> str | None:
+    from transformers import masking_utils as mu
+
+    return {mu.causal_mask_function: "causal", mu.bidirectional_mask_function: "bidirectional"}.get(fn)
+
+
+def _closure(fn) -> dict:
+    cells = fn.__closure__ or ()
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in cells)))
+
+
+def tree(fn) -> tuple:
+    """``fn`` as nested ``(kind, value)``: ("and" | "or", [children]), ("window", W),
+    ("blocks", ids), ("causal", None), ("bidirectional", None), or ("unknown", fn)."""
+    leaf = _leaf(fn)
+    if leaf:
+        return (leaf, None)
+    kind = _kinds().get(getattr(fn, "__code__", None))
+    try:
+        cells = _closure(fn)
+        if kind in ("and", "or"):
+            children = []
+            for child in map(tree, cells["mask_functions"]):  # nested and(and(..)) flattens
+                children.extend(child[1] if child[0] == kind else [child])
+            return (kind, children)
+        if kind == "window":
+            return (kind, int(cells["sliding_window"]))
+        if kind == "blocks":
+            return (kind, cells["block_sequence_ids"])
+    except (KeyError, TypeError, ValueError):  # a transformers version that stores them differently
+        pass
+    return ("unknown", fn)
+
+
+def formula(node: tuple) -> str:
+    """A readable form of a :func:`tree`, for error messages."""
+    kind, value = node
+    if kind in ("and", "or"):
+        return f"{kind}({', '.join(map(formula, value))})"
+    if kind == "window":
+        return f"window {value}"
+    if kind == "unknown":
+        module = getattr(value, "__module__", "") or ""
+        return f"{module.rsplit('.', 1)[-1]}.{getattr(value, '__qualname__', repr(value))}"
+    return kind
+
+
+def is_bidirectional(fn) -> bool:
+    """Whether ``fn`` starts from transformers' bidirectional mask (``create_bidirectional_mask``
+    and the encoders built on it): its first leaf, following the first child of each and/or."""
+    node = tree(fn)
+    while node[0] in ("and", "or") and node[1]:
+        node = node[1][0]
+    return node[0] == "bidirectional"
+
+
+def _rule(node: tuple) -> MaskRule | None:
+    kind, value = node
+    if kind == "causal":
+        return MaskRule(sa.LayerMask(None, "off"))
+    if kind == "bidirectional":
+        return MaskRule(sa.LayerMask(None, "off"), causal=False)
+    if kind not in ("and", "or"):
+        return None
+    split = "blocks" if kind == "or" else "window"
+    picked = [v for k, v in value if k == split]
+    rest = [child for child in value if child[0] != split]
+    if len(picked) != 1 or not rest:
+        return None
+    inner = _rule(rest[0] if len(rest) == 1 else (kind, rest))
+    if inner is None or not inner.causal:
+        return None
+    if kind == "or" and inner.layer.spans == "off":  # (causal [AND window]) OR block
+        return replace(inner, layer=sa.LayerMask(inner.layer.window, "on"), blocks=picked[0])
+    if kind == "and" and inner.layer.window is None:  # causal AND window, (causal OR block) AND window
+        spans = "clamp" if inner.layer.spans == "on" else "off"
+        return replace(inner, layer=sa.LayerMask(picked[0], spans))
+    return None
+
+
+def read_mask_function(fn) -> MaskRule:
+    """The :class:`MaskRule` that one of transformers' mask functions equals; raises
+    ``NotImplementedError`` with its formula when spanattn has no policy for it."""
+    node = tree(fn)
+    rule = _rule(node)
+    if rule is None:
+        raise NotImplementedError(
+            f"spanattn.hf cannot run the mask {formula(node)}: it serves causal masks with a sliding "
+            "window and image blocks (or(causal, blocks), and(or(causal, blocks), window), ...) and "
+            "bidirectional canvases"
+        )
+    return rule

@@ -1,0 +1,220 @@
+"""The mask transformers asks for, kept in O(batch x tokens): :class:`StepMask` and the
+``AttentionMaskInterface`` entry :func:`step_mask` that builds it.
+
+transformers calls the entry once per forward and layer kind with the mask function its model
+composed, the 2D padding mask and where the queries and keys sit in the cache. The function is
+read into a policy (:mod:`spanattn.hf.mask_functions`), block ids into spans (maximal runs of one
+block, at absolute positions), and the Plan is built once and shared by every layer of the kind.
+
+Keys: a DynamicCache passes exactly the keys the layer keeps (a sliding layer drops old ones:
+``kv_offset`` says where they start); a StaticCache passes its whole buffer, of which only the
+first ``kv_end - kv_offset`` keys are filled: the rest is never attended to.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import spanattn as sa
+
+from .families import family_of
+from .mask_functions import MaskRule, is_bidirectional, read_mask_function
+from .options import Options, options_of
+
+
+def block_runs(blocks: torch.Tensor, batch: int) -> dict[int, list[tuple[int, int]]]:
+    """Inclusive ``(start, end)`` of every maximal run of one block id (>= 0) per batch row, from
+    ONE device-to-host copy. A block made of several separate runs is a span group, refused."""
+    ids = blocks.long()
+    inside = ids >= 0
+    before = torch.nn.functional.pad(ids, (1, 0), value=-1)[:, :-1]
+    after = torch.nn.functional.pad(ids, (0, 1), value=-1)[:, 1:]
+    starts, ends = inside & (ids != before), inside & (ids != after)
+    # nonzero lists (row, position) row-major, so the k-th start and the k-th end make one run
+    runs = torch.cat([starts.nonzero(), ends.nonzero()[:, 1:], ids[starts][:, None]], 1).tolist()
+    by_row, seen = {}, set()
+    for row, s, e, block in runs:
+        if (row, block) in seen:
+            raise NotImplementedError(
+                f"spanattn.hf: batch row {row} has one bidirectional block made of several separate runs "
+                f"(block {block}; e.g. Molmo2 with more than one image): span groups are not supported yet. "
+                "Run one image per request"
+            )
+        seen.add((row, block))
+        by_row.setdefault(row, []).append((s, e))
+    if ids.shape[0] == 1 and batch > 1:  # one row of block ids for the whole batch
+        by_row = {row: by_row.get(0, []) for row in range(batch)}
+    return by_row
+
+
+class StepMask:
+    """What attention needs from one of transformers' mask builders: the layer kind's rule, the
+    2D padding mask and where keys sit (``kv_offset``: absolute position of key 0, >0 when a
+    sliding cache dropped old keys; ``kv_end``: absolute end of the filled keys, which is where
+    this step's queries end). Plans are cached on it, one per query/key shape and device.
+
+    transformers code that inspects a prepared mask sees a 4D shape (``ndim``, ``shape``)."""
+
+    ndim = 4
+
+    def __init__(
+        self,
+        rule: MaskRule,
+        padding,
+        kv_offset: int,
+        kv_length: int,
+        kv_end: int,
+        batch: int,
+        q_length: int,
+        options: Options,
+    ):
+        self.rule, self.padding, self.options = rule, padding, options
+        self.kv_offset, self.kv_length, self.kv_end = int(kv_offset), int(kv_length), int(kv_end)
+        self.shape = (batch, 1, q_length, self.kv_length)
+        self.plans, self._pads, self._spans = {}, None, None
+
+    def __getitem__(self, key):
+        # Gemma 4 keeps only the last query rows before its KV-shared layers
+        # (mask[:, :, -n:, :]); queries always end at kv_end, so nothing changes.
+        if isinstance(key, tuple) and len(key) == 4 and key[3] == slice(None) and key[2].stop is None:
+            return self
+        raise TypeError(f"spanattn.hf.StepMask cannot be indexed with {key!r}")
+
+    def left_pads(self) -> list[int]:
+        """Padding tokens at the start of each row; raises unless every row is ``0..0 1..1``."""
+        if self._pads is None:
+            batch, end = self.shape[0], self.kv_end
+            if self.padding is None:
+                self._pads = [0] * batch
+            else:
+                pad = self.padding[:, :end].bool()
+                if pad.shape[1] < end:  # like transformers: positions past the 2D mask are masked
+                    pad = torch.nn.functional.pad(pad, (0, end - pad.shape[1]))
+                if pad.shape[1] > 1 and not bool((pad[:, 1:].int() >= pad[:, :-1].int()).all()):
+                    raise ValueError(
+                        "spanattn.hf supports left padding only: every attention_mask row must be "
+                        "0..0 1..1 (tokenizer.padding_side='left', what generate() expects); got padding "
+                        "after a real token"
+                    )
+                self._pads = (end - pad.sum(1)).tolist()
+        return self._pads
+
+    def spans(self, row: int) -> list[tuple[int, int]]:
+        """Absolute inclusive spans of batch row ``row`` (all rows computed at the first call)."""
+        if self.rule.blocks is None or self.rule.layer.spans == "off":
+            return []
+        if self._spans is None:
+            self._spans = block_runs(self.rule.blocks, self.shape[0])
+        return self._spans.get(row, [])
+
+    def plan(self, sq: int, sk: int, device):
+        """``(plan, rows)`` for queries ``[B, H, sq, D]`` over keys ``[B, H, sk, D]``; ``rows`` holds
+        ``(batch row, first real query, first and end key index)`` per planned sequence."""
+        if sk != self.kv_length:
+            raise RuntimeError(f"keys ({sk}) do not match the mask's kv_length ({self.kv_length})")
+        key = (sq, sk, device)
+        if key not in self.plans:
+            self.plans[key] = self._plan(sq, device)
+        return self.plans[key]
+
+    def _plan(self, sq: int, device):
+        layer, end = self.rule.layer, self.kv_end
+        first_query = end - sq  # absolute position of query 0
+        seqs, rows = [], []
+        for row, pads in enumerate(self.left_pads()):
+            base = max(pads, self.kv_offset)  # absolute position of this row's key 0
+            q0 = max(0, base - first_query)
+            if q0 >= sq:
+                continue  # only padding queries in this row: their output is zero
+            spans = []
+            for s, e in self.spans(row):
+                if e < base:
+                    continue
+                if layer.spans == "on" and max(s, pads) < base and e >= first_query + q0:
+                    raise NotImplementedError(
+                        f"spanattn.hf: the cache dropped keys {max(s, pads)}..{base - 1} of the image at "
+                        f"{s}..{e} that queries of this step attend to (a sliding layer whose images ignore "
+                        "the window); prefill the whole image in one step"
+                    )
+                # Keys before `base` are padding or outside every query's window (clamp): clip.
+                spans.append((max(s, base) - base, e - base))
+            kv_len = end - base
+            prompt_len = max([kv_len] + [e + 1 for _, e in spans])
+            seqs.append(
+                sa.Seq(
+                    q_len=sq - q0, kv_len=kv_len, spans=spans, causal=self.rule.causal, prompt_len=prompt_len
+                )
+            )
+            rows.append((row, q0, base - self.kv_offset, end - self.kv_offset))
+        if not seqs:
+            return None, rows
+        try:
+            batch = sa.Batch(seqs, allow_split_spans=self.options.allow_split_spans)
+        except ValueError as err:  # a chunk cutting an image: say how to get transformers' behaviour
+            raise ValueError(
+                f"{err} (positions counted from the row's first real token). To cut the image at the "
+                "chunk end as transformers does, use spanattn.hf.enable(model, allow_split_spans=True)"
+            ) from None
+        return sa.plan(batch, layer, device=device), rows
+
+    @classmethod
+    def every_key(cls, batch: int, sq: int, sk: int, options: Options) -> StepMask:
+        """Non-causal rows that see all ``sk`` keys: a canvas its model runs without a mask."""
+        rule = MaskRule(sa.LayerMask(None, "off"), causal=False)
+        return cls(rule, None, 0, sk, sk, batch, sq, options)
+
+    def __repr__(self) -> str:
+        return (
+            f"StepMask({self.rule.layer!r}, causal={self.rule.causal}, kv_offset={self.kv_offset}, "
+            f"kv_length={self.kv_length}, kv_end={self.kv_end}, plans={len(self.plans)})"
+        )
+
+
+def step_mask(
+    batch_size,
+    q_length,
+    kv_length,
+    q_offset=None,
+    kv_offset=0,
+    mask_function=None,
+    attention_mask=None,
+    config=None,
+    **kw,
+):
+    """The ``AttentionMaskInterface`` entry: a :class:`StepMask` instead of a dense mask.
+
+    A mask already prepared by spanattn (a model handing its mask to its language model) is
+    returned as is. An encoder's mask (bidirectional over its own inputs, no cache: vision and
+    audio towers) is transformers' SDPA mask: those layers keep SDPA.
+    """
+    from transformers import masking_utils
+
+    if isinstance(attention_mask, StepMask):
+        return attention_mask
+    mask_function = mask_function or masking_utils.causal_mask_function
+    if q_offset is None:  # older transformers pass the query positions instead
+        q_offset = kw["cache_position"][0] if kw.get("cache_position") is not None else 0
+    q_offset = int(q_offset)  # a StaticCache keeps it on the device: one copy per forward and kind
+    if is_bidirectional(mask_function) and q_offset == 0 and int(kv_offset) == 0:
+        family = family_of(config) if config is not None else None
+        why = family.refuse(config) if family is not None else None
+        if why:  # a text stack configured as an encoder, not a tower
+            raise NotImplementedError(f"spanattn.hf does not serve this {family.name} model: {why}")
+        return masking_utils.sdpa_mask(
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=kv_length,
+            mask_function=mask_function,
+            attention_mask=attention_mask,
+            **kw,
+        )
+    rule = read_mask_function(mask_function)
+    kv_end = q_offset + q_length
+    if not int(kv_offset) < kv_end <= int(kv_offset) + kv_length:
+        raise NotImplementedError(
+            f"spanattn.hf needs this step's queries among its keys; the cache gives queries at "
+            f"{q_offset}..{kv_end - 1} and keys {int(kv_offset)}..{int(kv_offset) + kv_length - 1}"
+        )
+    return StepMask(
+        rule, attention_mask, kv_offset, kv_length, kv_end, batch_size, q_length, options_of(config)
+    )

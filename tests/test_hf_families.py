@@ -1,0 +1,176 @@
+"""Every family spanattn.hf serves, on tiny random models (tests/hf_models.py), against
+transformers' own eager attention in fp32: forward logits of a left-padded batch with images
+wider than the sliding window (relative error < 1e-5), greedy generate() tokens and per-step
+logits, chunked prefill equal to the unchunked forward; DiffusionGemma's encoder prefill, decoder
+canvas and generate(); PI0's actions; Molmo2 with several images refused."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+import spanattn.hf as sahf
+
+transformers = pytest.importorskip("transformers")
+import hf_models as hm  # noqa: E402
+
+TOL = 1e-5
+LM = [name for name in ("gemma3", "gemma4", "gemma4_unified", "paligemma", "paligemma2", "molmo2")]
+
+
+def family(name: str):
+    if not hm.available(name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    return name
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: with other jobs on the CPU, a second spinning thread costs 10-20x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.cache
+def pair(name: str):
+    """(eager model, the same weights through spanattn) with the default backend ("auto")."""
+    eager = hm.build(family(name))
+    return eager, sahf.enable(copy.deepcopy(eager))
+
+
+def rel(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return ((ours - theirs).abs().max() / theirs.abs().max()).item()
+
+
+def logits(model, kw):
+    with torch.no_grad():
+        return model(**kw).logits
+
+
+@pytest.mark.parametrize("name", LM)
+def test_logits(name):
+    eager, ours = pair(name)
+    kw = hm.inputs(name)
+    real = kw["attention_mask"].bool()  # eager computes noise at padding positions
+    theirs = logits(eager, kw)
+    assert rel(logits(ours, kw)[real], theirs[real]) < TOL
+    # The comparison means something: without token types transformers' logits move far more.
+    plain = logits(eager, {k: v for k, v in kw.items() if k != hm.FAMILIES[name][1]})
+    assert rel(plain[real], theirs[real]) > 100 * TOL
+
+
+@pytest.mark.parametrize("name", LM)
+def test_generate(name):
+    eager, ours = pair(name)
+    kw = hm.inputs(name)
+    opts = dict(
+        max_new_tokens=8, min_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
+    a, b = eager.generate(**kw, **opts), ours.generate(**kw, **opts)
+    assert torch.equal(a.sequences, b.sequences)
+    assert max(rel(y, x) for x, y in zip(a.logits, b.logits)) < TOL
+
+
+@pytest.mark.parametrize(
+    "name,ctx",
+    [
+        ("gemma3", 3),
+        ("gemma3", 21),
+        ("gemma4", 21),
+        ("gemma4_unified", 21),
+        ("paligemma2", 22),
+        ("molmo2", 21),
+    ],
+)
+def test_chunked_prefill(name, ctx):
+    """Row 0 in two chunks, the second after a cached prefix (at 21 the sliding layers' cache has
+    dropped keys); token types of the whole prompt with the second chunk (transformers'
+    convention). PaliGemma's only chunk end that keeps its prefix whole is the prefix end."""
+    eager, ours = pair(name)
+    kw = hm.row(name, hm.inputs(name, pixels=False), 0)
+    key = hm.FAMILIES[name][1]
+    whole = logits(ours, kw)
+    chunks = []
+    for model in (eager, ours):
+        cache = transformers.DynamicCache(config=model.config.get_text_config())
+        first = {"input_ids": kw["input_ids"][:, :ctx], key: kw[key][:, :ctx]}
+        rest = {"input_ids": kw["input_ids"][:, ctx:], key: kw[key]}
+        with torch.no_grad():
+            model(**first, use_cache=True, **{hm.cache_kwarg(model): cache})
+            chunks.append(model(**rest, use_cache=True, **{hm.cache_kwarg(model): cache}).logits)
+    assert rel(chunks[1], whole[:, ctx:]) < TOL
+    assert rel(chunks[1], chunks[0]) < TOL
+
+
+def _diffusion_step(model, kw, canvas):
+    """Encoder prefill with the masks generate() builds (its forward alone drops the image
+    blocks), then one decoder canvas step; returns the canvas logits."""
+    ids, pad = kw["input_ids"], kw["attention_mask"].bool()
+    cache = transformers.DynamicCache(config=model.config.get_text_config())
+    position_ids = torch.arange(ids.shape[1])[None]
+    embeds = torch.empty(*ids.shape, 0)  # positional: the cache argument was renamed in 5.2x
+    types = kw.get("mm_token_type_ids")
+    masks = model.model.encoder.create_masks_for_generate(
+        model.config, embeds, pad, cache, position_ids, types
+    )
+    images = {k: v for k, v in kw.items() if k in ("pixel_values", "image_position_ids", "mm_token_type_ids")}
+    decoder_mask = torch.nn.functional.pad(pad, (0, hm.CANVAS), value=True)
+    name = hm.cache_kwarg(model)
+    with torch.no_grad():
+        model.model.encoder(
+            input_ids=ids, attention_mask=masks, position_ids=position_ids, **{name: cache}, **images
+        )
+        out = model(decoder_input_ids=canvas, decoder_attention_mask=decoder_mask, **{name: cache})
+    return out.logits
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_diffusion_gemma_encoder_and_canvas(padded):
+    """Unpadded, the decoder gets no mask (every key); padded, a bidirectional one over the kept
+    prefix and the canvas."""
+    eager, ours = pair("diffusion_gemma")
+    kw = hm.inputs("diffusion_gemma")
+    kw = kw if padded else hm.row("diffusion_gemma", kw, 0)
+    canvas = torch.randint(
+        0, 64, (kw["input_ids"].shape[0], hm.CANVAS), generator=torch.Generator().manual_seed(3)
+    )
+    theirs = _diffusion_step(eager, kw, canvas)
+    assert rel(_diffusion_step(ours, kw, canvas), theirs) < TOL
+    plain = _diffusion_step(eager, {k: v for k, v in kw.items() if k != "mm_token_type_ids"}, canvas)
+    assert rel(plain, theirs) > 100 * TOL  # the encoder's image blocks matter
+
+
+def test_diffusion_gemma_generate():
+    """One unpadded row: transformers' eager generate() fails on padded DiffusionGemma batches
+    (its decoder mask takes the dtype of the token ids)."""
+    eager, ours = pair("diffusion_gemma")
+    kw = hm.row("diffusion_gemma", hm.inputs("diffusion_gemma"), 0)
+    outs = []
+    for model in (eager, ours):
+        torch.manual_seed(4)  # canvases start from noise
+        outs.append(model.generate(**kw, max_new_tokens=2 * hm.CANVAS).sequences)
+    assert torch.equal(*outs)
+
+
+def test_pi0_actions():
+    """The image + language prefix is one bidirectional block, state + actions another: the
+    model builds both; its SigLIP tower keeps its own attention."""
+    eager, ours = pair("pi0")
+    assert ours.config.vlm_config.vision_config._attn_implementation == "eager"
+    kw = hm.inputs("pi0")
+    actions = eager.sample_actions(**kw)
+    assert rel(ours.sample_actions(**kw), actions) < TOL
+    step = dict(kw, timestep=torch.full((2,), 0.5))
+    assert rel(logits(ours, step), logits(eager, step)) < TOL
+
+
+def test_molmo2_several_images_refused():
+    _, ours = pair("molmo2")
+    ids = torch.tensor([[2, 11] + [hm.IMG] * 6 + [12, 13] + [hm.IMG] * 6 + [14]])
+    with pytest.raises(NotImplementedError, match="span groups"):
+        logits(ours, {"input_ids": ids, "mm_token_type_ids": (ids == hm.IMG).long()})
