@@ -106,9 +106,12 @@ def _decode_split(
     head = kv_head * GROUP + offs_m % GROUP
     row_ok = q_i < q_len
     tok = (q_row0 + tl.minimum(q_i, q_len - 1)).to(tl.int64)
-    # Padding rows borrow the last query's interval: they never widen the key range.
-    lo = tl.load(LO + tok)
-    hi = tl.load(HI + tok)
+    # Padding rows borrow the last query's interval: they never widen the key range. A sequence
+    # without queries (a device plan's padding; there tok = q_row0 - 1) reads none and walks the
+    # empty range.
+    has_q = tok >= q_row0
+    lo = tl.load(LO + tok, mask=has_q, other=0)
+    hi = tl.load(HI + tok, mask=has_q, other=-1)
     kv_hi = tl.max(hi)
     kv_start = (tl.min(lo) // BLOCK_N) * BLOCK_N
     n_tiles = tl.cdiv(kv_hi + 1 - kv_start, BLOCK_N)
@@ -152,7 +155,10 @@ def _decode_split(
             )  # fmt: skip
 
     empty = l_i == 0.0
-    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if SPLIT:  # a split may hold no key of a row: an empty partial, weight 0 in the merge
+        acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    else:  # every row allows k = q; only a device plan's rejected sequence has none: NaN
+        acc = acc / l_i[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     store = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
