@@ -36,10 +36,6 @@ class Capacity:
         if self.max_q_len is None:
             object.__setattr__(self, "max_q_len", self.max_tokens)
         _check_int("DevicePlanner.max_q_len", self.max_q_len, 1)
-        if self.max_q_len > self.max_tokens:
-            raise ValueError(
-                f"DevicePlanner.max_q_len ({self.max_q_len}) must be <= max_tokens ({self.max_tokens})"
-            )
         if self.max_kv_tokens is not None:
             _check_int("DevicePlanner.max_kv_tokens", self.max_kv_tokens, 1)
         if not isinstance(self.allow_split_spans, bool):

@@ -117,7 +117,7 @@ def launch_args(layer: LayerMask, step: dict, total_q: int, lo, hi, BLOCK: int =
         PADDED=bool(step.get("padded")),
         BLOCK=BLOCK,
     )
-    return (triton.cdiv(total_q, BLOCK),), args, constexprs
+    return (-(-total_q // BLOCK),), args, constexprs
 
 
 def intervals_triton(layer: LayerMask, step: dict, total_q: int, BLOCK: int = 1024):

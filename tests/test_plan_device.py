@@ -163,8 +163,8 @@ def test_update_argument_errors():
         planner.update(t([1]), t([1]), spans=t([1, 2]))
     with pytest.raises(TypeError, match="q_lens must hold integers"):
         planner.update(t([1.0]), t([1]))
-    with pytest.raises(ValueError, match="max_q_len .* must be <= max_tokens"):
-        sa.DevicePlanner({"l": LAYER}, max_seqs=2, max_tokens=8, max_kv_len=8, max_q_len=9)
+    with pytest.raises(ValueError, match="DevicePlanner.max_q_len must be >= 1, got 0"):
+        sa.DevicePlanner({"l": LAYER}, max_seqs=2, max_tokens=8, max_kv_len=8, max_q_len=0)
     with pytest.raises(TypeError, match=r"layers\['l'\] must be a spanattn.LayerMask"):
         sa.DevicePlanner({"l": "causal"}, max_seqs=2, max_tokens=8, max_kv_len=8)
 

@@ -16,7 +16,7 @@ import torch
 from .columns import INFO
 from .configs import Config, padded_head_dim, pick, pick_gluon
 from .schedule_triton import tile_schedule
-from .tma_layout import tma_matrix, token_major
+from .tma_layout import tma_form, token_major
 
 LOG2E = 1.4426950408889634
 # SPANATTN_TRITON_GLUON=0 keeps every step on kernel.py (a check against the Gluon kernels, or a
@@ -92,7 +92,7 @@ def uses_tma(plan, k, v, cfg: Config) -> bool:
     side (``stride(1) == D``: K/V are read as ``[total_k, Hkv * D]`` matrices), head_dim a power of
     two (a padded tile would read the next head's columns), and every sequence at least one key
     tile long (a tile never runs past its sequence's end: kernel.attn_fwd)."""
-    if not cfg.tma or (k.is_cuda and torch.cuda.get_device_capability(k.device)[0] < 9):
+    if not cfg.tma or (k.is_cuda and _capability(k.device)[0] < 9):
         return False
     d = k.shape[-1]
     return padded_head_dim(d) == d and plan.min_seqlen_k >= cfg.block_n and token_major(k) and token_major(v)
@@ -109,8 +109,8 @@ def uses_gluon(q, k, v, plan, cfg: Config) -> bool:
     packed varlen tensors are, or head-major as transformers' KV cache is; K and V alike)."""
     if not gluon_runs_for(q, plan, cfg):
         return False
-    mk, mv = tma_matrix(k), tma_matrix(v)
-    return None not in (mk, mv) and mk[1:] == mv[1:]
+    fk, fv = tma_form(k), tma_form(v)
+    return None not in (fk, fv) and fk[3:] == fv[3:]
 
 
 def gluon_reads_pages(q, k, v, plan, cfg: Config, page_size: int) -> bool:
@@ -122,7 +122,7 @@ def gluon_reads_pages(q, k, v, plan, cfg: Config, page_size: int) -> bool:
     sub = min(page_size, cfg.block_n)
     if page_size % 8 or max(page_size, cfg.block_n) % sub or not uses_gluon(q, k, v, plan, cfg):
         return False
-    return tma_matrix(k).head_rows == 0
+    return tma_form(k).head_rows == 0
 
 
 def gluon_runs_for(q, plan, cfg: Config) -> bool:
@@ -134,7 +134,7 @@ def gluon_runs_for(q, plan, cfg: Config) -> bool:
         return False
     if not gluon_runs_on(q.device, name) or plan.min_seqlen_k < cfg.block_n:
         return False
-    return tma_matrix(q) is not None
+    return tma_form(q) is not None
 
 
 def gluon_runs_on(device, name: str = "kernel_gluon") -> bool:
@@ -145,7 +145,7 @@ def gluon_runs_on(device, name: str = "kernel_gluon") -> bool:
     setting = os.environ.get(GLUON_ENV, "")
     if setting == "0" or torch.device(device).type != "cuda":
         return False
-    if torch.cuda.get_device_capability(device) != (9, 0) or _gluon_module(name) is None:
+    if _capability(torch.device(device)) != (9, 0) or _gluon_module(name) is None:
         return False
     from . import gluon_check
 
@@ -178,6 +178,12 @@ def _descriptors(k, v, cfg: Config, d: int):
     return desc(k, d), desc(v, d // cfg.dv_split)
 
 
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.cache
 def _kernel_module():
     # Imported on first use so that importing spanattn never needs triton.
     return importlib.import_module(__name__ + ".kernel")
