@@ -117,6 +117,26 @@ class DevicePlan:
         """int64 ``[max_tokens]``: the sequence of each row (padding rows: the last)."""
         return seq_ids(self.cu_seqlens_q, self.total_q).clamp_max(self.num_seqs - 1)
 
+    def slot_mapping(self, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+        """int64 ``[max_tokens]``: the cache slot of each row's key (its sequence's last ``q_len``
+        keys are the step's new ones) through ``block_table [max_seqs, >= max_kv_len /
+        block_size]``, and ``-1`` (skipped by write_kv_cache) on padding rows and rows of rejected
+        sequences. On the device: no sync, capturable. For an engine without its own mapping."""
+        need = -(-self.capacity.max_kv_len // block_size)
+        if block_table.dim() != 2 or block_table.shape[0] != self.num_seqs or block_table.shape[1] < need:
+            raise ValueError(
+                f"block_table must be [max_seqs={self.num_seqs}, >= {need}] for pages of {block_size}, "
+                f"got {tuple(block_table.shape)}"
+            )
+        rows = torch.arange(self.total_q, device=self.device)
+        seq = self.query_seq_ids()
+        cu_q = self.cu_seqlens_q.long()
+        kv = self.seq_lens.long()[seq]
+        live = (rows < cu_q[-1]) & (kv > 0)
+        pos = torch.where(live, rows - cu_q[seq + 1] + kv, 0)  # new keys end the sequence
+        slots = block_table[seq, pos // block_size].long() * block_size + pos % block_size
+        return torch.where(live, slots, -1)
+
     def host_layout(self) -> list[tuple[int, int, int, int, int]]:
         """``(i, q_start, q_end, k_start, kv_len)`` of every sequence with queries and keys, read
         to the host: a sync, refused while a CUDA graph is being captured."""

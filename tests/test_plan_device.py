@@ -253,3 +253,24 @@ def test_triton_paged_equals_host_plan(batch, max_q_len):
         ValueError, match="block_table has 4 blocks per sequence but the device plan's max_kv_len=80"
     ):
         sa.attention(qp, kc, vc, plan, block_table=btp[:, :4].contiguous(), backend="triton")
+
+
+def test_slot_mapping_on_the_device():
+    """The step's new keys go where the host plan's slot mapping puts them; padding rows and a
+    rejected sequence's rows map to -1 (write_kv_cache skips them)."""
+    from spanattn.cache import slot_mapping
+
+    planner = planner_for(CLEAN, {"l": LAYER}, slack=4)
+    q, kv, causal, spans = inputs(CLEAN)
+    plan = planner.update(q, kv, causal, spans)["l"]
+    width = -(-planner.capacity.max_kv_len // 8)
+    bt = torch.randperm(planner.capacity.max_seqs * width, device=DEV).view(-1, width).to(torch.int32)
+    want = slot_mapping(sa.plan(CLEAN, LAYER, DEV), bt[: len(CLEAN)], 8)
+    got = plan.slot_mapping(bt, 8)
+    assert torch.equal(got[: CLEAN.total_q], want) and (got[CLEAN.total_q :] == -1).all()
+    spans = torch.cat([spans, spans.new_tensor([[1, 9, 3]])])  # sequence 1 rejected
+    got = planner.update(q, kv, causal, spans)["l"].slot_mapping(bt, 8)
+    rows = [*range(6), *range(9, 13)]
+    assert torch.equal(got[rows], want[rows]) and (got[6:9] == -1).all()
+    with pytest.raises(ValueError, match="block_table must be"):
+        plan.slot_mapping(bt[:, :2], 8)
