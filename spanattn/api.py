@@ -1,7 +1,9 @@
-"""attention(): check the tensors against the plan, pick a backend, run it."""
+"""attention(): check the tensors against the plan, pick a backend, run it. Under torch.compile
+the call is one opaque torch op (ops.py) whose implementation is this same eager path."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 
@@ -9,16 +11,23 @@ import torch
 
 from . import backends
 from .cache import check_paged, checked_once
+from .device_plan import DevicePlan
 from .plan import Plan
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 AUTO_ORDER = ("fa4", "triton", "sdpa", "reference")
 
 
-def _check(q, k, v, plan: Plan, block_table=None, check_pages: bool = True) -> None:
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a spanattn.Plan (from spanattn.plan), got {type(plan).__name__}")
+def check_tensors(q, k, v, plan, block_table=None) -> None:
+    """The rules on q, k, v that the plan's own tensors decide (kinds, shapes, dtypes, devices):
+    nothing host-side of the plan is read, so torch.compile traces this without guarding on a
+    step's lengths."""
+    if not isinstance(plan, (Plan, DevicePlan)):
+        raise TypeError(
+            f"plan must be a spanattn.Plan (from spanattn.plan) or a DevicePlan, got {type(plan).__name__}"
+        )
     paged = block_table is not None
+    device = plan.lo.device
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not torch.is_tensor(t):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -32,22 +41,13 @@ def _check(q, k, v, plan: Plan, block_table=None, check_pages: bool = True) -> N
             raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
         if t.dtype not in DTYPES:
             raise TypeError(f"{name}.dtype must be one of float16/bfloat16/float32, got {t.dtype}")
-        if t.device != plan.device:
-            raise ValueError(
-                f"{name} is on {t.device} but the plan is on {plan.device}; plan on the same device"
-            )
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the plan is on {device}; plan on the same device")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.shape[0] != plan.total_q:
-        raise ValueError(f"q has {q.shape[0]} tokens but the plan packs {plan.total_q} queries")
-    if paged:
-        check_paged(k, v, block_table, plan, names=("k", "v"))
-        if check_pages:
-            checked_once(block_table, plan, k.shape[0], k.shape[1])
-    elif k.shape[0] != plan.total_k or v.shape[0] != plan.total_k:
-        raise ValueError(
-            f"k and v must have the plan's {plan.total_k} packed keys, got {k.shape[0]} and {v.shape[0]}"
-        )
+    if q.shape[0] != plan.lo.shape[0]:
+        what = "has room for" if plan.capacity is not None else "packs"
+        raise ValueError(f"q has {q.shape[0]} tokens but the plan {what} {plan.lo.shape[0]} queries")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"k and v must have the same number of heads, got {k.shape[-2]} and {v.shape[-2]}")
     if q.shape[1] % k.shape[-2]:
@@ -56,18 +56,131 @@ def _check(q, k, v, plan: Plan, block_table=None, check_pages: bool = True) -> N
         raise ValueError(f"q, k, v must share head_dim, got {q.shape[2]}, {k.shape[-1]}, {v.shape[-1]}")
 
 
-def _unavailable(mod, q, plan: Plan, opts: dict) -> str | None:
+def _check_packed_keys(k, v, plan) -> None:
+    """Packed K/V rows against the plan's keys (host plan) or its max_kv_tokens (device plan)."""
+    cap = plan.capacity
+    if cap is None:
+        if k.shape[0] != plan.total_k or v.shape[0] != plan.total_k:
+            raise ValueError(
+                f"k and v must have the plan's {plan.total_k} packed keys, got {k.shape[0]} and {v.shape[0]}"
+            )
+    elif cap.max_kv_tokens is None:
+        raise ValueError(
+            "packed k, v with a device plan need DevicePlanner(max_kv_tokens=...) (or a paged cache)"
+        )
+    elif k.shape[0] < cap.max_kv_tokens or v.shape[0] < cap.max_kv_tokens:
+        raise ValueError(
+            f"k and v must have at least the device plan's max_kv_tokens={cap.max_kv_tokens} rows, "
+            f"got {k.shape[0]} and {v.shape[0]}"
+        )
+
+
+def _check_pages(k, v, block_table, plan, check_pages: bool) -> None:
+    """A paged cache and its table against the plan (every call: the table changes per step).
+    A device plan's table entries are the engine's to check (reading them is a sync)."""
+    if plan.capacity is not None and torch.is_tensor(block_table) and block_table.dim() == 2:
+        need = -(-plan.capacity.max_kv_len // k.shape[1])
+        if block_table.shape[1] < need:
+            raise ValueError(
+                f"block_table has {block_table.shape[1]} blocks per sequence but the device plan's "
+                f"max_kv_len={plan.capacity.max_kv_len} needs {need} blocks of {k.shape[1]}"
+            )
+    check_paged(k, v, block_table, plan, names=("k", "v"))
+    if check_pages and plan.capacity is None:
+        checked_once(block_table, plan, k.shape[0], k.shape[1])
+
+
+@functools.cache
+def _reads_pages(mod) -> bool:
     # A backend takes a paged cache only if its forward has a block_table parameter.
-    if "block_table" in opts and "block_table" not in inspect.signature(mod.forward).parameters:
+    return "block_table" in inspect.signature(mod.forward).parameters
+
+
+def _unavailable(name, mod, q, plan, opts: dict) -> str | None:
+    if plan.capacity is not None:
+        from .plan_device import refusal
+
+        why = refusal(name)
+        if why is not None:
+            return why
+    if "block_table" in opts and not _reads_pages(mod):
         return "it reads only packed K/V, not a paged cache (block_table)"
     return mod.unavailable(q, plan, **opts)
+
+
+def _pick(q, plan, backend: str, opts: dict):
+    """The backend module that runs this call (``backend="auto"``: the first in AUTO_ORDER)."""
+    if backend != "auto":
+        mod = backends.load(backend)
+        why = _unavailable(backend, mod, q, plan, opts)
+        if why is not None:
+            raise RuntimeError(f"backend={backend!r} cannot run this call: {why}")
+        return mod
+    reasons = []
+    for name in AUTO_ORDER:
+        if name not in backends.BACKENDS:
+            continue
+        mod = backends.load(name)
+        if getattr(mod, "AUTO_NEEDS_CUDA", False) and q.device.type != "cuda":
+            continue  # e.g. triton's interpreter: correct but far too slow to pick unasked
+        why = _unavailable(name, mod, q, plan, opts)
+        if why is None and hasattr(mod, "auto_declines"):  # could run, another suits better
+            why = mod.auto_declines(q, plan, **opts)
+        if why is None:
+            return mod
+        reasons.append(f"{name}: {why}")
+    raise RuntimeError("no backend can run this call: " + "; ".join(reasons))
+
+
+def _call_key(q, k, v, plan, block_table, backend, softcap, return_lse):
+    """What the checks and the backend choice depend on, or None when some argument is not a
+    tensor (then the checks say which)."""
+    try:
+        key = (backend, bool(softcap), return_lse, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+               q.device, k.device, v.device)  # fmt: skip
+        if block_table is not None:
+            key += (block_table.shape, block_table.dtype, block_table.device)
+    except AttributeError:
+        return None
+    if plan.capacity is not None and q.is_cuda:  # the dense backends decline while capturing
+        key += (torch.cuda.is_current_stream_capturing(),)
+    return key
+
+
+def run(q, k, v, plan, block_table=None, backend="auto", scale=None, softcap=None, return_lse=False,
+        check_pages=True):  # fmt: skip
+    """:func:`attention` outside torch.compile, and the torch ops' implementation: checks,
+    backend choice (both kept per plan for calls of the same shapes), forward. Returns
+    ``(out, lse or None)``."""
+    if not isinstance(plan, (Plan, DevicePlan)):
+        check_tensors(q, k, v, plan, block_table)  # raises the plan's TypeError
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    opts = {"softcap": softcap, "return_lse": return_lse}
+    if block_table is not None:
+        opts["block_table"] = block_table
+    key = _call_key(q, k, v, plan, block_table, backend, softcap, return_lse)
+    mod = plan.facts.get(key) if key is not None else None
+    if mod is None:
+        check_tensors(q, k, v, plan, block_table)
+        if block_table is None:
+            _check_packed_keys(k, v, plan)
+        else:
+            _check_pages(k, v, block_table, plan, check_pages)
+        mod = _pick(q, plan, backend, opts)
+        if key is not None:
+            plan.facts[key] = mod
+    elif block_table is not None:
+        _check_pages(k, v, block_table, plan, check_pages)
+    opts["scale"] = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    return mod.forward(q, k, v, plan, **opts)
 
 
 def attention(
     q,
     k,
     v,
-    plan: Plan,
+    plan: Plan | DevicePlan,
     *,
     block_table=None,
     backend: str = "auto",
@@ -80,6 +193,9 @@ def attention(
     plan's mask. Returns ``out [total_q, Hq, D]`` (q's dtype), and with ``return_lse=True`` also
     ``lse [total_q, Hq]`` (fp32, natural log of the softmax denominator, scale applied).
 
+    plan: from :func:`spanattn.plan`, or a device plan (:class:`spanattn.DevicePlanner`): then
+        ``q`` has the planner's ``max_tokens`` rows and packed ``k, v`` at least its
+        ``max_kv_tokens``; backends fa4 and flex refuse device plans.
     block_table: int32 ``[num_seqs, max_blocks]``; then ``k, v`` are paged caches
         ``[num_blocks, block_size, Hkv, D]`` (block_size 16, 32, 64, 128 or 256) and key ``pos``
         of sequence ``r`` (its first ``kv_len`` in the plan) sits at block
@@ -89,7 +205,7 @@ def attention(
         raise an error naming the sequence and entry otherwise. On CUDA this reads the table
         once per step (plan and table contents), one host sync, and never while a CUDA graph is
         captured; engines that validate their tables themselves pass False. Unchecked, a bad id
-        reads whatever memory it points to.
+        reads whatever memory it points to. A device plan's table is the engine's to check.
 
     backend: ``"auto"`` takes the first that can run this call of fa4 (CUDA, FlashAttention-4
         installed, head_dim <= 256), triton (CUDA), sdpa, reference, skipping one that declines
@@ -97,39 +213,18 @@ def attention(
         a backend named explicitly runs or raises, never falls back.
     scale: softmax scale, default ``1 / sqrt(D)``. softcap: Gemma-2-style ``c * tanh(s / c)``.
 
+    Under ``torch.compile`` this is the op ``torch.ops.spanattn.attention`` (ops.py): no graph
+    break, and nothing of a host plan's lengths becomes a guard.
+
     >>> import torch, spanattn as sa
     >>> p = sa.plan(sa.Batch([sa.Seq(q_len=3, kv_len=5, spans=[(2, 4)])]), sa.LayerMask())
     >>> q = torch.randn(3, 2, 16); k = v = torch.randn(5, 1, 16)
     >>> sa.attention(q, k, v, p).shape
     torch.Size([3, 2, 16])
     """
-    _check(q, k, v, plan, block_table, check_pages)
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
-    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
-    opts = {"scale": scale, "softcap": softcap, "return_lse": return_lse}
-    if block_table is not None:
-        opts["block_table"] = block_table
-    if backend == "auto":
-        reasons = []
-        for name in AUTO_ORDER:
-            if name not in backends.BACKENDS:
-                continue
-            mod = backends.load(name)
-            if getattr(mod, "AUTO_NEEDS_CUDA", False) and q.device.type != "cuda":
-                continue  # e.g. triton's interpreter: correct but far too slow to pick unasked
-            why = _unavailable(mod, q, plan, opts)
-            if why is None and hasattr(mod, "auto_declines"):  # could run, another suits better
-                why = mod.auto_declines(q, plan, **opts)
-            if why is None:
-                break
-            reasons.append(f"{name}: {why}")
-        else:
-            raise RuntimeError("no backend can run this call: " + "; ".join(reasons))
-    else:
-        mod = backends.load(backend)
-        why = _unavailable(mod, q, plan, opts)
-        if why is not None:
-            raise RuntimeError(f"backend={backend!r} cannot run this call: {why}")
-    out, lse = mod.forward(q, k, v, plan, **opts)
+    if torch.compiler.is_compiling():
+        from .ops import attention_call
+
+        return attention_call(q, k, v, plan, block_table, backend, scale, softcap, return_lse, check_pages)
+    out, lse = run(q, k, v, plan, block_table, backend, scale, softcap, return_lse, check_pages)
     return (out, lse) if return_lse else out

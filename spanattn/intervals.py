@@ -54,36 +54,43 @@ def seq_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def compute_intervals(
-    batch: Batch, layer: LayerMask, step: dict, fused: bool | None = None
+    layer: LayerMask, step: dict, total_q: int, fused: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``lo, hi`` (int32 ``[total_q]``, inclusive key positions local to each sequence).
 
-    ``step`` comes from :func:`step_tensors`. fused: one Triton launch (intervals_triton.py, the
-    same formulas lowered once more); default on CUDA when triton is installed, since this torch
-    version is ~20 launches there. Otherwise :func:`intervals_torch`, the definition.
+    ``step`` comes from :func:`step_tensors` (or a device plan's buffers, with ``padded``).
+    fused: one Triton launch (intervals_triton.py, the same formulas lowered once more); default
+    on CUDA when triton is installed, since this torch version is ~20 launches there. Otherwise
+    :func:`intervals_torch`, the definition.
     """
     if fused is None:
         fused = step["kv_len"].device.type == "cuda" and importlib.util.find_spec("triton") is not None
     if fused:
         from .intervals_triton import intervals_triton
 
-        return intervals_triton(batch, layer, step)
-    return intervals_torch(batch, layer, step)
+        return intervals_triton(layer, step, total_q)
+    return intervals_torch(layer, step, total_q)
 
 
-def intervals_torch(batch: Batch, layer: LayerMask, step: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """The definition of ``lo, hi``, vectorized over tokens (no Python loop), on any device."""
+def intervals_torch(layer: LayerMask, step: dict, total_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition of ``lo, hi``, vectorized over tokens (no Python loop), on any device.
+
+    With ``step["padded"]`` (device plans: fixed capacity, lengths known only on the device) rows
+    past the step's last query and rows of sequences whose ``kv_len`` is 0 (empty or rejected
+    sequences) get the empty interval ``(0, -1)``: kernels walk no key for them."""
     q_len, kv_len, causal = step["q_len"].long(), step["kv_len"].long(), step["causal"].bool()
     ends = step["cu_seqlens_q"][1:].long()
-    token = torch.arange(batch.total_q, device=q_len.device)
-    seq_id = seq_ids(step["cu_seqlens_q"], batch.total_q)
+    token = torch.arange(total_q, device=q_len.device)
+    seq_id = seq_ids(step["cu_seqlens_q"], total_q)
+    if step.get("padded"):  # rows past the last sequence: any in-range id, overwritten below
+        seq_id = seq_id.clamp_max(q_len.shape[0] - 1)
     per_row = lambda t: t.index_select(0, seq_id)  # index_select: advanced indexing is slower
     q = token + per_row(kv_len - ends)
     last = per_row(kv_len) - 1
     row_causal = per_row(causal)
 
     w = layer.window
-    big = int(max(s.kv_len for s in batch.seqs)) + 1
+    big = 2**32  # (seq, position) as one int64 key: positions fit int32
     if w is None:
         lo = torch.zeros_like(q)
         hi = torch.where(row_causal, q, last)
@@ -109,6 +116,9 @@ def intervals_torch(batch: Batch, layer: LayerMask, step: dict) -> tuple[torch.T
             span_lo = torch.maximum(s, q - w + 1)
         lo = torch.where(inside, torch.minimum(lo, span_lo), lo)
         hi = torch.where(inside, torch.maximum(hi, span_hi), hi)
+    if step.get("padded"):
+        dead = (token >= ends[-1]) | (last < 0)
+        lo, hi = lo.masked_fill(dead, 0), hi.masked_fill(dead, -1)
     return lo.to(torch.int32), hi.to(torch.int32)
 
 

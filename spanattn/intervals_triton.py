@@ -13,7 +13,11 @@ tiny kernels, launch-bound at 0.3-0.8 ms per step. One program per ``BLOCK`` pac
 Nothing that changes between steps is a compile-time constant: lengths, counts and the window
 are runtime scalars, exempt from Triton's value specialization (``== 1``, ``% 16``), and the
 inputs sliced out of step_tensors' one buffer all start on 16 bytes (pointer alignment is
-specialized too). Only the layer's policy and ``BLOCK`` pick a compiled kernel.
+specialized too). Only the layer's policy, ``PADDED`` and ``BLOCK`` pick a compiled kernel.
+
+``PADDED`` (device plans, plan_device.py): the counts are capacities, the step's real extent is
+read on the device (``cu_q[num_seqs]``), and rows past it or of a sequence with ``kv_len`` 0 get
+the empty interval ``(0, -1)``, as in ``intervals_torch``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .spec import Batch, LayerMask
+from .spec import LayerMask
 from .triton_search import seq_of_rows
 
 SPAN_MODE = {"off": 0, "on": 1, "clamp": 2}
@@ -34,7 +38,8 @@ RUNTIME_ARGS = ["total_q", "num_seqs", "num_spans", "seq_steps", "span_steps", "
 def _intervals_kernel(
     kv_len_ptr, causal_ptr, cu_q_ptr, spans_ptr, lo_ptr, hi_ptr,
     total_q, num_seqs, num_spans, seq_steps, span_steps, window,
-    HAS_WINDOW: tl.constexpr, INCLUSIVE: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, INCLUSIVE: tl.constexpr, MODE: tl.constexpr, PADDED: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = token < total_q
@@ -88,13 +93,17 @@ def _intervals_kernel(
         lo = tl.where(inside, tl.minimum(lo, span_lo), lo)
         hi = tl.where(inside, tl.maximum(hi, span_hi), hi)
 
+    if PADDED:
+        dead = (token >= tl.load(cu_q_ptr + num_seqs)) | (last < 0)
+        lo = tl.where(dead, 0, lo)
+        hi = tl.where(dead, -1, hi)
     tl.store(lo_ptr + token, lo, mask=valid)
     tl.store(hi_ptr + token, hi, mask=valid)
 
 
-def launch_args(batch: Batch, layer: LayerMask, step: dict, lo, hi, BLOCK: int = 1024):
+def launch_args(layer: LayerMask, step: dict, total_q: int, lo, hi, BLOCK: int = 1024):
     """Grid, arguments and constexprs of one launch (the tests read the compile key off them)."""
-    total_q, n, spans = batch.total_q, len(batch.seqs), step["spans"]
+    n, spans = step["q_len"].shape[0], step["spans"]
     m = spans.shape[0] if layer.spans != "off" else 0
     w = layer.window
     args = (
@@ -105,16 +114,17 @@ def launch_args(batch: Batch, layer: LayerMask, step: dict, lo, hi, BLOCK: int =
         HAS_WINDOW=w is not None,
         INCLUSIVE=layer.noncausal_window == "inclusive",
         MODE=SPAN_MODE[layer.spans],
+        PADDED=bool(step.get("padded")),
         BLOCK=BLOCK,
     )
-    return (triton.cdiv(total_q, BLOCK),), args, constexprs
+    return (-(-total_q // BLOCK),), args, constexprs
 
 
-def intervals_triton(batch: Batch, layer: LayerMask, step: dict, BLOCK: int = 1024):
+def intervals_triton(layer: LayerMask, step: dict, total_q: int, BLOCK: int = 1024):
     """``lo, hi`` (int32 ``[total_q]``) from :func:`intervals.step_tensors`' tensors, one launch."""
     dev = step["kv_len"].device
-    lo = torch.empty(batch.total_q, dtype=torch.int32, device=dev)
-    hi = torch.empty(batch.total_q, dtype=torch.int32, device=dev)
-    grid, args, constexprs = launch_args(batch, layer, step, lo, hi, BLOCK)
+    lo = torch.empty(total_q, dtype=torch.int32, device=dev)
+    hi = torch.empty(total_q, dtype=torch.int32, device=dev)
+    grid, args, constexprs = launch_args(layer, step, total_q, lo, hi, BLOCK)
     _intervals_kernel[grid](*args, **constexprs)
     return lo, hi

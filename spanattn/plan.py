@@ -3,14 +3,20 @@ layer kind, reused by every layer of that kind."""
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
 
 from .intervals import compute_intervals, dense_from_intervals, seq_ids, step_tensors
 from .spec import Batch, LayerMask
+
+_SERIALS = itertools.count(1)
+_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 @dataclass(eq=False)
@@ -20,6 +26,8 @@ class Plan:
     lo, hi: int32 ``[total_q]``, inclusive key positions local to each query's sequence.
     cu_seqlens_q, cu_seqlens_k: int32 ``[num_seqs + 1]`` offsets into packed q and k/v.
     seq_lens: int32 ``[num_seqs]`` keys per sequence (``seqused_k`` for a paged cache).
+    handle: int64 ``[1]`` on the CPU naming this plan (``Plan.from_handle``): how the torch ops
+        (ops.py) reach the plan's host-side facts and cached tables without a device sync.
     """
 
     batch: Batch
@@ -30,6 +38,22 @@ class Plan:
     cu_seqlens_k: torch.Tensor
     seq_lens: torch.Tensor
     _cache: dict = field(default_factory=dict, repr=False)
+    # Lengths here are exact and known on the host; a device plan (plan_device.py) has a
+    # Capacity instead, and its lengths are bounds.
+    capacity = None
+
+    def __post_init__(self):
+        serial = next(_SERIALS)
+        self.handle = torch.tensor([serial], dtype=torch.int64)
+        _LIVE[serial] = self
+
+    @staticmethod
+    def from_handle(handle: torch.Tensor) -> Plan:
+        """The live plan a ``handle`` names (the torch ops' way back to it)."""
+        plan = _LIVE.get(int(handle[0]))
+        if plan is None:
+            raise RuntimeError("spanattn: the plan this op was called with no longer exists")
+        return plan
 
     @property
     def device(self) -> torch.device:
@@ -39,21 +63,44 @@ class Plan:
     def num_seqs(self) -> int:
         return len(self.batch)
 
-    @property
+    # Host-side facts, computed once: backends read them on every call (O(num_seqs) each).
+    @cached_property
     def total_q(self) -> int:
         return self.batch.total_q
 
-    @property
+    @cached_property
     def total_k(self) -> int:
         return self.batch.total_k
 
-    @property
+    @cached_property
     def max_seqlen_q(self) -> int:
         return max(s.q_len for s in self.batch.seqs)
 
-    @property
+    @cached_property
     def max_seqlen_k(self) -> int:
         return max(s.kv_len for s in self.batch.seqs)
+
+    @cached_property
+    def min_seqlen_k(self) -> int:
+        """The shortest sequence's keys (kernels reading whole key tiles need one tile)."""
+        return min(s.kv_len for s in self.batch.seqs)
+
+    @cached_property
+    def facts(self) -> dict:
+        """Facts about calls that hold for the plan's lifetime (api.py's checked call shapes)."""
+        return {}
+
+    def host_layout(self) -> list[tuple[int, int, int, int, int]]:
+        """``(i, q_start, q_end, k_start, kv_len)`` of every sequence, in packed rows (cached)."""
+
+        def build():
+            rows, q0, k0 = [], 0, 0
+            for i, s in enumerate(self.batch.seqs):
+                rows.append((i, q0, q0 + s.q_len, k0, s.kv_len))
+                q0, k0 = q0 + s.q_len, k0 + s.kv_len
+            return rows
+
+        return self.cached("host_layout", build)
 
     def cached(self, key, build: Callable[[], Any]):
         """Derived tables (tile lists, block masks) are built once per plan and kept here."""
@@ -123,7 +170,7 @@ def plan(batch: Batch, layer: LayerMask, device="cpu") -> Plan:
     if not isinstance(layer, LayerMask):
         raise TypeError(f"plan(layer=...) must be a spanattn.LayerMask, got {type(layer).__name__}")
     step = step_tensors(batch, torch.device(device))
-    lo, hi = compute_intervals(batch, layer, step)
+    lo, hi = compute_intervals(layer, step, batch.total_q)
     return Plan(
         batch=batch,
         layer=layer,

@@ -29,8 +29,8 @@ if DEV == "cpu" and type(intervals_triton._intervals_kernel).__name__ != "Interp
 
 def assert_same(batch: sa.Batch, layer: sa.LayerMask):
     step = step_tensors(batch, torch.device(DEV))
-    want = intervals_torch(batch, layer, step)
-    got = compute_intervals(batch, layer, step, fused=True)
+    want = intervals_torch(layer, step, batch.total_q)
+    got = compute_intervals(layer, step, batch.total_q, fused=True)
     for name, a, b in zip(("lo", "hi"), want, got):
         assert b.dtype == torch.int32 and torch.equal(a, b), (name, batch, layer)
 
@@ -117,7 +117,7 @@ def test_steps_share_one_compiled_kernel():
             out = []
             for batch in STEPS:
                 step, q = step_tensors(batch, DEV), torch.empty(batch.total_q, dtype=torch.int32)
-                _, args, constexprs = intervals_triton.launch_args(batch, layer, step, q, q.clone())
+                _, args, constexprs = intervals_triton.launch_args(layer, step, batch.total_q, q, q.clone())
                 out.append(str(binder(*args, **constexprs)[1]))
             return out
 

@@ -68,9 +68,13 @@ def _builtin_kv_tile(head_dim: int, windowed: bool) -> int:
 
 def builtin(plan) -> bool:
     """Is the plan's mask FA4's own causal (or causal sliding-window) mask?"""
-    seqs = plan.batch.seqs
-    no_spans = plan.layer.spans == "off" or not any(s.spans for s in seqs)
-    return no_spans and all(s.causal for s in seqs)
+
+    def build():  # once per plan: every call asks
+        seqs = plan.batch.seqs
+        no_spans = plan.layer.spans == "off" or not any(s.spans for s in seqs)
+        return no_spans and all(s.causal for s in seqs)
+
+    return plan.cached("fa4_builtin", build)
 
 
 @functools.cache

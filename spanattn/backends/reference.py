@@ -5,48 +5,70 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import gather_kv
+from ..cache import _slots
+from ..intervals import dense_from_intervals
+
+DEVICE_PLANS = True  # reads a device plan's lengths on the host: not while capturing a graph
 
 
 def unavailable(q, plan, **opts) -> str | None:
+    return capture_refusal(q, plan)
+
+
+def capture_refusal(q, plan) -> str | None:
+    """The dense backends walk sequences on the host: a device plan's lengths must be read
+    there, which a CUDA graph being captured cannot do."""
+    if plan.capacity is not None and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return "it reads a device plan's lengths on the host, which a CUDA graph capture cannot; use triton"
     return None
 
 
 def per_sequence(q, k, v, plan, block_table=None):
-    """The dense backends' walk: ``(i, rows, k_i, v_i)`` per sequence, ``rows`` its slice of the
-    packed queries and ``k_i, v_i [kv_len, Hq, D]`` its keys and values (pages copied out, K/V
-    heads repeated for GQA)."""
+    """The dense backends' walk: ``(rows, mask, k_i, v_i)`` per sequence with queries, ``rows``
+    its slice of the packed queries, ``mask`` its boolean ``[q_len, kv_len]`` from the intervals,
+    ``k_i, v_i [kv_len, Hq, D]`` its keys and values (pages read through its block table row,
+    K/V heads repeated for GQA)."""
+    group = q.shape[1] // k.shape[-2]
     if block_table is not None:
-        k, v = gather_kv(k, v, block_table, plan)
-    group = q.shape[1] // k.shape[1]
-    cu_k = plan.cu_seqlens_k.tolist()
-    start = 0
-    for i, s in enumerate(plan.batch.seqs):
-        ki, vi = k[cu_k[i] : cu_k[i + 1]], v[cu_k[i] : cu_k[i + 1]]
+        page = k.shape[1]
+        k, v = k.flatten(0, 1), v.flatten(0, 1)
+    for i, q0, q1, k0, kv_len in plan.host_layout():
+        if block_table is not None:
+            pos = torch.arange(kv_len, device=k.device)
+            slots = _slots(block_table, page, i, pos)
+            ki, vi = k[slots], v[slots]
+        else:
+            ki, vi = k[k0 : k0 + kv_len], v[k0 : k0 + kv_len]
         if group > 1:
             ki, vi = ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1)
-        yield i, slice(start, start + s.q_len), ki, vi
-        start += s.q_len
+        mask = dense_from_intervals(plan.lo[q0:q1], plan.hi[q0:q1], kv_len).to(q.device)
+        yield slice(q0, q1), mask, ki, vi
 
 
-def outputs(q, v, return_lse: bool):
-    """Empty ``out [total_q, Hq, D]`` (q's dtype) and ``lse [total_q, Hq]`` (fp32) or None."""
-    out = torch.empty(*q.shape[:2], v.shape[-1], dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
-    return out, lse
+def outputs(q, v, return_lse: bool, plan):
+    """``out [total_q, Hq, D]`` (q's dtype) and ``lse [total_q, Hq]`` (fp32) or None; NaN for a
+    device plan, whose rejected sequences and padding rows no sequence writes."""
+
+    def new(shape, dtype):
+        if plan.capacity is None:
+            return torch.empty(shape, dtype=dtype, device=q.device)
+        return torch.full(shape, float("nan"), dtype=dtype, device=q.device)
+
+    out = new((*q.shape[:2], v.shape[-1]), q.dtype)
+    return out, new(q.shape[:2], torch.float32) if return_lse else None
 
 
 def forward(
     q, k, v, plan, *, scale, softcap=None, return_lse=False, block_table=None, compute_dtype=torch.float32
 ):
-    out, lse = outputs(q, v, return_lse)
-    for i, rows, ki, vi in per_sequence(q, k, v, plan, block_table):
+    out, lse = outputs(q, v, return_lse, plan)
+    for rows, mask, ki, vi in per_sequence(q, k, v, plan, block_table):
         qi = q[rows].to(compute_dtype).transpose(0, 1)  # [Hq, q_len, D]
         ki, vi = ki.to(compute_dtype), vi.to(compute_dtype)
         scores = qi @ ki.permute(1, 2, 0) * scale  # [Hq, q_len, kv_len]
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
-        scores = scores.masked_fill(~plan.to_dense(i).to(q.device), float("-inf"))
+        scores = scores.masked_fill(~mask, float("-inf"))
         row_lse = torch.logsumexp(scores, dim=-1)  # never -inf: every row allows k = q
         probs = torch.exp(scores - row_lse[..., None])
         out[rows] = (probs @ vi.transpose(0, 1)).transpose(0, 1).to(q.dtype)

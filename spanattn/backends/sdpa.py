@@ -6,20 +6,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .reference import outputs, per_sequence
+from .reference import capture_refusal, outputs, per_sequence
+
+DEVICE_PLANS = True  # as the reference backend: not while capturing a graph
 
 
 def unavailable(q, plan, *, softcap=None, **opts) -> str | None:
     if softcap:
         return "the sdpa backend has no logit softcap (torch SDPA cannot apply one)"
-    return None
+    return capture_refusal(q, plan)
 
 
 def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False, block_table=None):
-    out, lse = outputs(q, v, return_lse)
+    out, lse = outputs(q, v, return_lse, plan)
     # K/V heads repeated: enable_gqa needs torch >= 2.5 and not every SDPA kernel takes it with a mask
-    for i, rows, ki, vi in per_sequence(q, k, v, plan, block_table):
-        mask = plan.to_dense(i).to(q.device)
+    for rows, mask, ki, vi in per_sequence(q, k, v, plan, block_table):
         qi, ki, vi = (t.transpose(0, 1)[None] for t in (q[rows], ki, vi))  # [1, Hq, len, D]
         o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
         out[rows] = o[0].transpose(0, 1)

@@ -16,7 +16,7 @@ import torch
 from .columns import INFO
 from .configs import Config, padded_head_dim, pick, pick_gluon
 from .schedule_triton import tile_schedule
-from .tma_layout import tma_matrix, token_major
+from .tma_layout import tma_form, token_major
 
 LOG2E = 1.4426950408889634
 # SPANATTN_TRITON_GLUON=0 keeps every step on kernel.py (a check against the Gluon kernels, or a
@@ -24,6 +24,10 @@ LOG2E = 1.4426950408889634
 # self-check (gluon_check.py), =check self-checks them on any triton. Read per call.
 GLUON_ENV = "SPANATTN_TRITON_GLUON"
 AUTO_NEEDS_CUDA = True  # backend="auto" never picks the interpreter; naming "triton" still can
+# Device plans (device_plan.py) run on the pointer-load kernel and the split-KV decode kernel:
+# TMA and the Gluon kernels need every sequence a key tile long, which only the host knows, and
+# paged steps read their pages in place.
+DEVICE_PLANS = True
 
 # Paged prefill over pages smaller than a key tile pays a page lookup and address math per key
 # row on every key tile of every query head it walks, on pointer loads, while packed K/V come
@@ -59,7 +63,10 @@ def copies_pages(q, plan, page_size: int, block_n: int, hkv: int, may_use_gluon:
     run on the copy (``gluon_runs_for``): against it the triton kernel's walk took 1.20-1.49x the
     contiguous time at pages of 16 and 128 where the copy took 1.01-1.23x (S1-S3,
     results/2026-11-29-paged-prefill-h200-s6.json); elsewhere as ``gathers_pages`` says for
-    ``block_n``-key tiles walking the pages."""
+    ``block_n``-key tiles walking the pages. Never for a device plan (its keys are counted on
+    the device only)."""
+    if plan.capacity is not None:
+        return False
     gcfg = pick_gluon(q.shape[-1], q.dtype) if may_use_gluon else None
     if gcfg is not None and gluon_runs_for(q, plan, gcfg):
         return True
@@ -85,15 +92,10 @@ def uses_tma(plan, k, v, cfg: Config) -> bool:
     side (``stride(1) == D``: K/V are read as ``[total_k, Hkv * D]`` matrices), head_dim a power of
     two (a padded tile would read the next head's columns), and every sequence at least one key
     tile long (a tile never runs past its sequence's end: kernel.attn_fwd)."""
-    if not cfg.tma or (k.is_cuda and torch.cuda.get_device_capability(k.device)[0] < 9):
+    if not cfg.tma or (k.is_cuda and _capability(k.device)[0] < 9):
         return False
     d = k.shape[-1]
-    return (
-        padded_head_dim(d) == d
-        and min(s.kv_len for s in plan.batch.seqs) >= cfg.block_n
-        and token_major(k)
-        and token_major(v)
-    )
+    return padded_head_dim(d) == d and plan.min_seqlen_k >= cfg.block_n and token_major(k) and token_major(v)
 
 
 # The Gluon kernels by query rows per tile: kernel_gluon.py splits 128 rows over its consumers
@@ -107,8 +109,8 @@ def uses_gluon(q, k, v, plan, cfg: Config) -> bool:
     packed varlen tensors are, or head-major as transformers' KV cache is; K and V alike)."""
     if not gluon_runs_for(q, plan, cfg):
         return False
-    mk, mv = tma_matrix(k), tma_matrix(v)
-    return None not in (mk, mv) and mk[1:] == mv[1:]
+    fk, fv = tma_form(k), tma_form(v)
+    return None not in (fk, fv) and fk[3:] == fv[3:]
 
 
 def gluon_reads_pages(q, k, v, plan, cfg: Config, page_size: int) -> bool:
@@ -120,7 +122,7 @@ def gluon_reads_pages(q, k, v, plan, cfg: Config, page_size: int) -> bool:
     sub = min(page_size, cfg.block_n)
     if page_size % 8 or max(page_size, cfg.block_n) % sub or not uses_gluon(q, k, v, plan, cfg):
         return False
-    return tma_matrix(k).head_rows == 0
+    return tma_form(k).head_rows == 0
 
 
 def gluon_runs_for(q, plan, cfg: Config) -> bool:
@@ -130,9 +132,9 @@ def gluon_runs_for(q, plan, cfg: Config) -> bool:
     name = GLUON_KERNELS.get((q.shape[-1], cfg.block_m))
     if not (cfg.gluon and cfg.tma and name and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
         return False
-    if not gluon_runs_on(q.device, name) or min(s.kv_len for s in plan.batch.seqs) < cfg.block_n:
+    if not gluon_runs_on(q.device, name) or plan.min_seqlen_k < cfg.block_n:
         return False
-    return tma_matrix(q) is not None
+    return tma_form(q) is not None
 
 
 def gluon_runs_on(device, name: str = "kernel_gluon") -> bool:
@@ -143,7 +145,7 @@ def gluon_runs_on(device, name: str = "kernel_gluon") -> bool:
     setting = os.environ.get(GLUON_ENV, "")
     if setting == "0" or torch.device(device).type != "cuda":
         return False
-    if torch.cuda.get_device_capability(device) != (9, 0) or _gluon_module(name) is None:
+    if _capability(torch.device(device)) != (9, 0) or _gluon_module(name) is None:
         return False
     from . import gluon_check
 
@@ -176,20 +178,39 @@ def _descriptors(k, v, cfg: Config, d: int):
     return desc(k, d), desc(v, d // cfg.dv_split)
 
 
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.cache
 def _kernel_module():
     # Imported on first use so that importing spanattn never needs triton.
     return importlib.import_module(__name__ + ".kernel")
 
 
-def prepare(plan, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> None:
+def prepare(plan, head_dim: int, dtype: torch.dtype = torch.bfloat16, group: int = 1) -> None:
     """Build the step's tile schedule ahead of the first layer (cached on the plan): what a step
     pays once for this backend besides ``spanattn.plan``, so that benchmarks count it. The
     schedule of the kernel that will run, as far as the plan tells (a Gluon kernel needs TMA-
-    readable inputs too)."""
+    readable inputs too). A device plan keeps it and rebuilds it at every planner update,
+    unless its steps go to the decode kernel (``group``: query heads per KV head)."""
     kmod = _kernel_module()
+    if plan.capacity is not None:
+        from .decode import suited
+        from .schedule import build_device_schedule
+
+        if suited(plan, group):
+            return
+        cfg = pick(head_dim, dtype, kmod.INTERPRETED, plan.layer.window, tma=False)
+        bm, bn = cfg.block_m, cfg.block_n
+        plan.prepare_table(
+            ("triton.tiles", bm, bn, True), lambda out: build_device_schedule(plan, bm, bn, True, out)
+        )
+        return
     gcfg = pick_gluon(head_dim, dtype)
     name = gcfg and GLUON_KERNELS.get((head_dim, gcfg.block_m))
-    if name and gluon_runs_on(plan.device, name) and min(s.kv_len for s in plan.batch.seqs) >= gcfg.block_n:
+    if name and gluon_runs_on(plan.device, name) and plan.min_seqlen_k >= gcfg.block_n:
         cfg = gcfg
     else:
         cfg = pick(head_dim, dtype, kmod.INTERPRETED, plan.layer.window)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .configs import next_pow2
+
 
 @triton.jit
 def _write_kv(
@@ -43,6 +45,6 @@ def write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
-        HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d), PAGE_SIZE=k_cache.shape[1],
+        HKV=hkv, D=d, BLOCK_D=next_pow2(d), PAGE_SIZE=k_cache.shape[1],
         num_warps=1 if d <= 128 else 2,
     )  # fmt: skip

@@ -3,6 +3,7 @@ compile-time constants, so the kernel compiles once per layer kind, not per step
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -77,6 +78,12 @@ GLUON_CONFIGS = {
 INTERPRETER_CONFIG = Config(16, 16, 4, 1)
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (>= 1). Plain Python: ``triton.next_power_of_2`` is a
+    JIT function since triton 3.4 and costs microseconds of host time per call."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def padded_head_dim(d: int) -> int | None:
     """The power of two the kernel computes ``d`` in, or None if unsupported."""
     if d < 1 or d > MAX_HEAD_DIM or d % 16:
@@ -87,6 +94,7 @@ def padded_head_dim(d: int) -> int | None:
     return p
 
 
+@functools.cache  # called on every forward: the answer never changes for its arguments
 def pick(
     head_dim: int, dtype: torch.dtype, interpreted: bool, window: int | None = None, tma: bool = True
 ) -> Config:

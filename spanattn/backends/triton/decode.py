@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .configs import next_pow2
+
 LOG2E = 1.4426950408889634
 # The interpreter cannot take loaded scalars as range() bounds under numpy >= 2.4 (int() of a
 # 1-element array); it walks the same tiles with a while loop, which triton would not pipeline.
@@ -106,9 +108,12 @@ def _decode_split(
     head = kv_head * GROUP + offs_m % GROUP
     row_ok = q_i < q_len
     tok = (q_row0 + tl.minimum(q_i, q_len - 1)).to(tl.int64)
-    # Padding rows borrow the last query's interval: they never widen the key range.
-    lo = tl.load(LO + tok)
-    hi = tl.load(HI + tok)
+    # Padding rows borrow the last query's interval: they never widen the key range. A sequence
+    # without queries (a device plan's padding; there tok = q_row0 - 1) reads none and walks the
+    # empty range.
+    has_q = tok >= q_row0
+    lo = tl.load(LO + tok, mask=has_q, other=0)
+    hi = tl.load(HI + tok, mask=has_q, other=-1)
     kv_hi = tl.max(hi)
     kv_start = (tl.min(lo) // BLOCK_N) * BLOCK_N
     n_tiles = tl.cdiv(kv_hi + 1 - kv_start, BLOCK_N)
@@ -152,7 +157,10 @@ def _decode_split(
             )  # fmt: skip
 
     empty = l_i == 0.0
-    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if SPLIT:  # a split may hold no key of a row: an empty partial, weight 0 in the merge
+        acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    else:  # every row allows k = q; only a device plan's rejected sequence has none: NaN
+        acc = acc / l_i[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     store = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
@@ -265,8 +273,8 @@ def decode_forward(
     paged = block_table is not None
     block_n, warps, stages = config or _config(d, INTERPRETED)
     splits, split_keys = choose_splits(plan, hkv, q.device, split_keys)
-    head_dim = triton.next_power_of_2(d)
-    block_m = max(16, triton.next_power_of_2(plan.max_seqlen_q * group))
+    head_dim = next_pow2(d)
+    block_m = max(16, next_pow2(plan.max_seqlen_q * group))
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device) if return_lse else None
@@ -290,7 +298,7 @@ def decode_forward(
         q, k, v, out, lse if lse is not None else out, o_part, lse_part, plan.lo, plan.hi,
         plan.cu_seqlens_q, plan.cu_seqlens_k, bt,
         q.stride(0), q.stride(1), kb, kt, kh, vb, vt, vh, out.stride(0), out.stride(1), bt_stride,
-        total_q * hq, splits, triton.cdiv(split_keys, block_n), qk_scale, softcap_log2,
+        total_q * hq, splits, -(-split_keys // block_n), qk_scale, softcap_log2,
         HQ=hq, GROUP=group, HEAD_DIM=head_dim, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         SOFTCAP=bool(softcap), RETURN_LSE=return_lse, PAGED=paged, PAGE_SIZE=page,
         SPLIT=splits > 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

@@ -5,6 +5,8 @@ only."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -43,15 +45,20 @@ def descriptors(q, k, v, q_rows: int, kv_rows: int, cols: int):
     ``h * head_rows`` down, columns ``h * head_cols`` across, for q and for K/V (alike)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
     mq, mk, mv = tma_matrix(q), tma_matrix(k), tma_matrix(v)
 
     def desc(m, rows):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], el)
+        layout = _smem_layout(rows, cols, q.dtype)
         return TensorDescriptor(m, list(m.shape), list(m.stride()), [rows, cols], layout)
 
     boxes = desc(mq.matrix, q_rows), desc(mk.matrix, kv_rows), desc(mv.matrix, kv_rows)
     return boxes, (mq.head_rows, mq.head_cols, mk.head_rows, mk.head_cols)
+
+
+@functools.cache  # a few microseconds of host time per descriptor otherwise, every call
+def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
+    el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], el)
 
 
 def launch(kernel, tile_rows: int, q_rows: int, pieces: int, q, k, v, plan, sched, out, lse,

@@ -290,10 +290,12 @@ def attn_fwd(
         full_start = tl.load(info + FULL_START)
         full_end = tl.load(info + FULL_END)
     else:  # the same from lo/hi: pointer walks spill at d256 with them loaded (compile_stats)
-        kv_end = tl.max(hi) + 1
+        # A tile holding no query (a device plan's spare room: q_row0 > q_row_last) walks no key.
+        live = q_row0 <= q_row_last
+        kv_end = tl.where(live, tl.max(hi) + 1, 0)
         kv_start = (tl.min(lo) // BLOCK_N) * BLOCK_N
         full_start = tl.minimum((tl.max(lo) + BLOCK_N - 1) // BLOCK_N * BLOCK_N, kv_end)
-        full_end = tl.maximum((tl.min(hi) + 1) // BLOCK_N * BLOCK_N, full_start)
+        full_end = tl.where(live, tl.maximum((tl.min(hi) + 1) // BLOCK_N * BLOCK_N, full_start), 0)
 
     q_rows = q_row0.to(tl.int64) + offs_m
     q_ptrs = Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :]

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ...triton_search import seq_of_rows
+from .configs import next_pow2
 
 # every argument whose value changes from step to step, and the caller's block table (a view at
 # any offset; the plan's own tensors always start on 16 bytes)
@@ -67,10 +68,10 @@ def copy_pages(plan, k, v, block_table, page_size: int, out_k, out_v) -> None:
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension")
     width = hkv * d
-    block_w = min(triton.next_power_of_2(width), MAX_BLOCK_W)
+    block_w = min(next_pow2(width), MAX_BLOCK_W)
     rows = TILE_BYTES // (block_w * k.element_size())
     n = plan.num_seqs
-    grid = (triton.cdiv(total, rows), triton.cdiv(width, block_w))
+    grid = (-(-total // rows), -(-width // block_w))
     _copy_pages_kernel[grid](
         k, v, out_k, out_v, plan.cu_seqlens_k, block_table,
         total, n, n.bit_length(), block_table.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

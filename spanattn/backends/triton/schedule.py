@@ -69,11 +69,21 @@ def build_schedule(plan, block_m: int, block_n: int, lpt: bool = True) -> TileSc
 
     lo_min, lo_max = reduce(plan.lo, "amin", 2**31 - 1), reduce(plan.lo, "amax", -1)
     hi_min, hi_max = reduce(plan.hi, "amin", 2**31 - 1), reduce(plan.hi, "amax", -1)
+    q_row_last = torch.minimum(q_row0 + block_m, cu_q[tile_seq + 1]) - 1
+    info, cost = tile_columns(
+        q_row0, q_row_last, cu_k, tile_seq, lo_min, lo_max, hi_min, hi_max, block_n
+    )  # fmt: skip
+    return ordered(block_m, block_n, info, cost, lpt)
+
+
+def tile_columns(q_row0, q_row_last, cu_k, tile_seq, lo_min, lo_max, hi_min, hi_max, block_n):
+    """``info`` (INFO's columns) and ``tile_cost`` of tiles from their rows and interval extremes
+    (int64 ``[tiles]`` each): the key walk of DESIGN.md section 1, in ``block_n``-key tiles."""
     kv_end = hi_max + 1
     full_start = torch.minimum((lo_max + block_n - 1) // block_n * block_n, kv_end)
     cols = {
         "q_row0": q_row0,
-        "q_row_last": torch.minimum(q_row0 + block_m, cu_q[tile_seq + 1]) - 1,
+        "q_row_last": q_row_last,
         "k_row0": cu_k[tile_seq],
         "kv_len": cu_k[tile_seq + 1] - cu_k[tile_seq],
         "seq": tile_seq,
@@ -83,7 +93,43 @@ def build_schedule(plan, block_m: int, block_n: int, lpt: bool = True) -> TileSc
         "full_end": torch.maximum((hi_min + 1) // block_n * block_n, full_start),
     }
     info = torch.stack([cols[c] for c in INFO], 1).to(torch.int32)
-    return ordered(block_m, block_n, info, (hi_max - lo_min + 1).to(torch.int32), lpt)
+    return info, (hi_max - lo_min + 1).to(torch.int32)
+
+
+def build_device_schedule(plan, block_m: int, block_n: int, lpt: bool = True, out=None) -> TileSchedule:
+    """The schedule of a device plan (device_plan.py), built on the device without a sync: room
+    for the most tiles a step of its capacity can have, ``cdiv(max_tokens, block_m) +
+    max_seqs``, the step's tiles first and the rest empty (``q_row0 = 1 > q_row_last = 0``, no
+    keys, cost 0: the kernel walks and stores nothing for them). ``out``: a schedule of this
+    shape to rewrite in place (a captured graph keeps reading the same tensors)."""
+    n, total, dev = plan.num_seqs, plan.total_q, plan.device
+    cu_q, cu_k = plan.cu_seqlens_q.long(), plan.cu_seqlens_k.long()
+    tiles = (cu_q.diff() + block_m - 1) // block_m
+    ends = tiles.cumsum(0)
+    t = torch.arange(-(-total // block_m) + n, device=dev)
+    tile_seq = torch.searchsorted(ends, t, right=True)
+    live = tile_seq < n
+    tile_seq = tile_seq.clamp_max(n - 1)
+    q_row0 = cu_q[tile_seq] + (t - ends[tile_seq] + tiles[tile_seq]) * block_m
+    q_end = torch.minimum(q_row0 + block_m, cu_q[tile_seq + 1])
+    rows = q_row0[:, None] + torch.arange(block_m, device=dev)
+    valid = (rows < q_end[:, None]) & live[:, None]
+    rows = rows.clamp(0, total - 1)
+    lo, hi = plan.lo.long()[rows], plan.hi.long()[rows]
+    extreme = lambda x, how, init: getattr(torch.where(valid, x, init), how)(1)
+    lo_min, lo_max = extreme(lo, "amin", 2**31 - 1), extreme(lo, "amax", -1)
+    hi_min, hi_max = extreme(hi, "amin", 2**31 - 1), extreme(hi, "amax", -1)
+    info, cost = tile_columns(q_row0, q_end - 1, cu_k, tile_seq, lo_min, lo_max, hi_min, hi_max, block_n)
+    empty = torch.zeros(len(INFO), dtype=torch.int32, device=dev)
+    empty[INFO.index("q_row0")] = 1
+    info = torch.where(live[:, None], info, empty)
+    cost = torch.where(live, cost, 0)
+    sched = ordered(block_m, block_n, info, cost, lpt)
+    if out is None:
+        return sched
+    out.info.copy_(sched.info)
+    out.tile_cost.copy_(sched.tile_cost)
+    return out
 
 
 def ordered(block_m, block_n, info, cost, lpt: bool) -> TileSchedule:

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .columns import FULL_END, FULL_START, INFO, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST, SEQ
-from .schedule import TileSchedule, build_schedule, ordered, tile_starts
+from .schedule import TileSchedule, build_device_schedule, build_schedule, ordered, tile_starts
 
 
 @triton.jit(do_not_specialize=["num_tiles"])  # changes every step: never a reason to recompile
@@ -66,6 +66,8 @@ def tile_schedule(plan, block_m: int, block_n: int, lpt: bool = True) -> TileSch
     a step, reused by the others)."""
 
     def build():
+        if plan.capacity is not None:  # a device plan: capacity-sized, nothing read on the host
+            return build_device_schedule(plan, block_m, block_n, lpt)
         if plan.device.type == "cuda":
             return build_schedule_triton(plan, block_m, block_n, lpt)
         return build_schedule(plan, block_m, block_n, lpt)

@@ -18,8 +18,18 @@ class TmaMatrix(NamedTuple):
     head_cols: int
 
 
-def tma_matrix(t: torch.Tensor) -> TmaMatrix | None:
-    """``t [tokens, heads, D]`` as a matrix TMA can read (see the module doc), or None."""
+class TmaForm(NamedTuple):
+    """The matrix of ``tma_matrix`` as numbers only (deciding costs no tensor view)."""
+
+    rows: int
+    cols: int
+    row_stride: int
+    head_rows: int
+    head_cols: int
+
+
+def tma_form(t: torch.Tensor) -> TmaForm | None:
+    """The shape of the matrix TMA reads ``t [tokens, heads, D]`` through, or None."""
     tokens, heads, d = t.shape
     size = t.element_size()
     if t.stride(2) != 1 or t.data_ptr() % 16 or tokens == 0:
@@ -27,16 +37,23 @@ def tma_matrix(t: torch.Tensor) -> TmaMatrix | None:
     if t.stride(1) == d or heads == 1:  # token-major, rows possibly padded (a fused QKV buffer)
         if t.stride(0) * size % 16 or t.stride(0) < heads * d:
             return None
-        return TmaMatrix(t.as_strided((tokens, heads * d), (t.stride(0), 1)), 0, d)
+        return TmaForm(tokens, heads * d, t.stride(0), 0, d)
     if t.stride(0) == d and t.stride(1) % d == 0 and t.stride(1) >= tokens * d and d * size % 16 == 0:
         head_rows = t.stride(1) // d
-        rows = (heads - 1) * head_rows + tokens
-        return TmaMatrix(t.as_strided((rows, d), (d, 1)), head_rows, 0)
+        return TmaForm((heads - 1) * head_rows + tokens, d, d, head_rows, 0)
     return None
+
+
+def tma_matrix(t: torch.Tensor) -> TmaMatrix | None:
+    """``t [tokens, heads, D]`` as a matrix TMA can read (see the module doc), or None."""
+    f = tma_form(t)
+    if f is None:
+        return None
+    return TmaMatrix(t.as_strided((f.rows, f.cols), (f.row_stride, 1)), f.head_rows, f.head_cols)
 
 
 def token_major(t: torch.Tensor) -> bool:
     """Can TMA read ``t`` as a ``[tokens, heads * D]`` matrix (what kernel.py's descriptors
     assume)?"""
-    m = tma_matrix(t)
-    return m is not None and m.head_rows == 0
+    f = tma_form(t)
+    return f is not None and f.head_rows == 0
