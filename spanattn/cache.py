@@ -133,6 +133,37 @@ def key_slots(plan: Plan, block_table, block_size: int) -> torch.Tensor:
     return _slots(block_table, block_size, *_positions(plan, new_only=False))
 
 
+def to_paged(k, v, plan: Plan, block_size: int, *, fill: float = 0.0, seed: int | None = 0):
+    """Packed ``k, v [total_k, Hkv, D]`` laid into a new paged cache: ``(k_cache, v_cache,
+    block_table)``. Each sequence gets its blocks from a shuffled order (``seed`` None: in
+    order); every slot no sequence owns (the tail of each last block, one spare block that every
+    table row names after its own blocks) holds ``fill``: NaN there shows any read of it.
+
+    >>> import torch, spanattn as sa
+    >>> p = sa.plan(sa.Batch([sa.Seq(3, kv_len=20), sa.Seq(1, kv_len=5)]), sa.LayerMask())
+    >>> kc, vc, bt = to_paged(torch.ones(25, 1, 8), torch.ones(25, 1, 8), p, 16)
+    >>> kc.shape, bt.shape
+    (torch.Size([4, 16, 1, 8]), torch.Size([2, 3]))
+    """
+    need = [-(-s.kv_len // block_size) for s in plan.batch.seqs]
+    num_blocks = sum(need) + 1
+    order = torch.arange(num_blocks)
+    if seed is not None:
+        order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+    table = torch.full((len(need), max(need) + 1), int(order[-1]), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(need):
+        table[i, :n] = order[used : used + n]
+        used += n
+    table = table.to(plan.device)
+    caches = []
+    for x in (k, v):
+        cache = x.new_full((num_blocks, block_size, *x.shape[1:]), fill)
+        cache.view(-1, *x.shape[1:])[key_slots(plan, table, block_size)] = x
+        caches.append(cache)
+    return caches[0], caches[1], table
+
+
 def gather_kv(k_cache, v_cache, block_table, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed ``k, v [total_k, Hkv, D]`` (the varlen layout) copied out of the pages."""
     check_paged(k_cache, v_cache, block_table, plan)

@@ -16,6 +16,7 @@ import torch
 
 import spanattn as sa
 from spanattn.backends import load
+from spanattn.cache import to_paged
 from spanattn.isolation import (
     POISONS,
     compare_others,
@@ -111,20 +112,7 @@ def test_poisoned_neighbour_changes_nothing(name, backend, d, dtype, step, opts,
 
 def _paged(step: str, layer: str, d: int, dtype, page: int):
     p, q, k, v = _inputs(step, layer, d, dtype)
-    need = [-(-s.kv_len // page) for s in p.batch.seqs]
-    num_blocks = sum(need) + 4
-    ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))
-    bt = torch.full((p.num_seqs, max(need) + 1), int(ids[-1]), dtype=torch.int32)  # spare: stale block
-    kc = torch.zeros(num_blocks, page, *k.shape[1:], dtype=dtype, device=DEV)
-    vc = torch.zeros_like(kc)
-    used, cu = 0, p.cu_seqlens_k.tolist()
-    for i, n in enumerate(need):
-        bt[i, :n] = ids[used : used + n]
-        used += n
-        for j in range(n):
-            rows = slice(cu[i] + j * page, min(cu[i + 1], cu[i] + (j + 1) * page))
-            kc[bt[i, j], : rows.stop - rows.start], vc[bt[i, j], : rows.stop - rows.start] = k[rows], v[rows]
-    return p, q, kc, vc, bt.to(DEV)
+    return p, q, *to_paged(k, v, p, page, seed=1)
 
 
 PAGED = [

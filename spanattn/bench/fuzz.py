@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 import spanattn as sa
+from spanattn.cache import to_paged
 from spanattn.isolation import POISONS, isolation_violations
 from spanattn.oracle import Truth
 
@@ -115,20 +116,8 @@ def inputs(case: Case, device, seed: int):
                for n, h in ((p.total_q, hq), (p.total_k, hkv), (p.total_k, hkv)))  # fmt: skip
     if case.page_size is None:
         return p, q, k, v, None, None, None
-    page = case.page_size
-    need = [-(-s.kv_len // page) for s in case.batch.seqs]
-    ids = torch.randperm(sum(need) + 2, generator=torch.Generator().manual_seed(seed))
-    bt = torch.full((len(need), max(need) + 1), int(ids[-1]), dtype=torch.int32)  # spare: stale page
-    kc = torch.full((len(ids), page, hkv, d), float("nan"), dtype=dtype, device=device)
-    vc = torch.full_like(kc, float("nan"))
-    used = 0
-    for i, n in enumerate(need):
-        bt[i, :n] = ids[used : used + n]
-        used += n
-    slots = torch.cat([bt[i, torch.arange(s.kv_len) // page].long() * page + torch.arange(s.kv_len) % page
-                       for i, s in enumerate(case.batch.seqs)]).to(device)  # fmt: skip
-    kc.view(-1, hkv, d)[slots], vc.view(-1, hkv, d)[slots] = k, v
-    return p, q, k, v, kc, vc, bt.to(device)
+    kc, vc, bt = to_paged(k, v, p, case.page_size, fill=float("nan"), seed=seed)
+    return p, q, k, v, kc, vc, bt
 
 
 @dataclass

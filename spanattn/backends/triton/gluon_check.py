@@ -57,19 +57,9 @@ def _one(d, batch, layer, page, device) -> str | None:
             return "the check step would not reach the Gluon kernel"
         out, lse = forward(q, k, v, p, **opts)
     else:
-        need = [-(-s.kv_len // page) for s in batch.seqs]
-        bt = torch.arange(sum(need), device=device, dtype=torch.int32).flip(0)
-        table = torch.zeros(len(need), max(need), dtype=torch.int32, device=device)
-        kc = torch.full((sum(need), page, 2, d), float("nan"), dtype=q.dtype, device=device)
-        vc = torch.full_like(kc, float("nan"))
-        used, cu = 0, p.cu_seqlens_k.tolist()
-        for i, n in enumerate(need):
-            table[i, :n] = bt[used : used + n]
-            used += n
-            for j in range(n):
-                rows = slice(cu[i] + j * page, min(cu[i + 1], cu[i] + (j + 1) * page))
-                kc[table[i, j], : rows.stop - rows.start] = k[rows]
-                vc[table[i, j], : rows.stop - rows.start] = v[rows]
+        from spanattn.cache import to_paged
+
+        kc, vc, table = to_paged(k, v, p, page, fill=float("nan"))
         out, lse = forward(q, kc, vc, p, block_table=table, **opts)
     verdict = Truth(q, k, v, p, scale=d**-0.5).check(out, lse, rounding_slack=True)
     return None if verdict.ok else f"head_dim {d}, {layer}, page {page}: {verdict}"
