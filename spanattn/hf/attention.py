@@ -1,12 +1,15 @@
 """The ``AttentionInterface`` entry: transformers' ``[B, H, S, D]`` attention call computed by
-:func:`spanattn.attention` on packed varlen rows, under the :class:`StepMask` of its layer kind."""
+:func:`spanattn.attention` on packed varlen rows, under the :class:`StepMask` of its layer kind
+(under torch.compile: on the cache's own layout, :mod:`spanattn.hf.static`)."""
 
 from __future__ import annotations
 
 import torch
+from torch.compiler import is_compiling
 
 import spanattn as sa
 
+from . import static
 from .options import NAME, options_of
 from .step import StepMask
 
@@ -53,6 +56,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             )
     if dropout and module.training:
         raise NotImplementedError("spanattn.hf has no attention dropout")
+    if is_compiling():  # shapes fixed by the cache, plan read as tensors: nothing host-side traced
+        return static.forward(step, query, key, value, scaling, kwargs.get("softcap"))
     plan, rows = step.plan(sq, sk, query.device)
     if plan is None:  # only padding queries: their output is zero
         return query.new_zeros(b, sq, query.shape[1], value.shape[3]), None

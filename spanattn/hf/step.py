@@ -9,6 +9,10 @@ block, at absolute positions), and the Plan is built once and shared by every la
 Keys: a DynamicCache passes exactly the keys the layer keeps (a sliding layer drops old ones:
 ``kv_offset`` says where they start); a StaticCache passes its whole buffer, of which only the
 first ``kv_end - kv_offset`` keys are filled: the rest is never attended to.
+
+Eager forwards pack the real rows and plan on the host (:meth:`StepMask.plan`). A compiled
+forward reads :attr:`StepMask.static` instead (:mod:`spanattn.hf.static`): the same step in the
+cache's own layout, planned on the device when the mask is built, outside the compiled region.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import spanattn as sa
 from .families import family_of
 from .mask_functions import MaskRule, is_bidirectional, read_mask_function
 from .options import Options, options_of
+from .static import StaticStep
 
 
 def block_runs(blocks: torch.Tensor, batch: int) -> dict[int, list[tuple[int, int]]]:
@@ -63,15 +68,20 @@ class StepMask:
         padding,
         kv_offset: int,
         kv_length: int,
-        kv_end: int,
+        kv_end,
         batch: int,
         q_length: int,
         options: Options,
     ):
         self.rule, self.padding, self.options = rule, padding, options
-        self.kv_offset, self.kv_length, self.kv_end = int(kv_offset), int(kv_length), int(kv_end)
+        self.kv_offset, self.kv_length = int(kv_offset), int(kv_length)
+        # A StaticCache keeps the query offset on the device: kv_end stays a tensor until a host
+        # plan needs it (one copy), so a compiled step never waits for the device.
+        self._kv_end = kv_end if torch.is_tensor(kv_end) else int(kv_end)
         self.shape = (batch, 1, q_length, self.kv_length)
-        self.plans, self._pads, self._spans = {}, None, None
+        self.plans, self._pads, self._spans, self._batches = {}, None, None, {}
+        self.static: StaticStep | None = None  # built by step_mask, else why not:
+        self.static_error: Exception | None = None
 
     def __getitem__(self, key):
         # Gemma 4 keeps only the last query rows before its KV-shared layers
@@ -79,6 +89,15 @@ class StepMask:
         if isinstance(key, tuple) and len(key) == 4 and key[3] == slice(None) and key[2].stop is None:
             return self
         raise TypeError(f"spanattn.hf.StepMask cannot be indexed with {key!r}")
+
+    @property
+    def kv_end(self) -> int:
+        """Absolute end of the filled keys, where this step's queries end (read to the host once)."""
+        if torch.is_tensor(self._kv_end):
+            end = int(self._kv_end)
+            check_queries_among_keys(end - self.shape[2], self.kv_offset, self.kv_length, end)
+            self._kv_end = end
+        return self._kv_end
 
     def left_pads(self) -> list[int]:
         """Padding tokens at the start of each row; raises unless every row is ``0..0 1..1``."""
@@ -118,6 +137,17 @@ class StepMask:
         return self.plans[key]
 
     def _plan(self, sq: int, device):
+        batch, rows = self.sequences(sq)
+        return (None if batch is None else sa.plan(batch, self.rule.layer, device=device)), rows
+
+    def sequences(self, sq: int):
+        """``(batch, rows)``: the :class:`spanattn.Batch` of the real rows for ``sq`` queries
+        (None if every query is padding), checked, and ``rows`` as :meth:`plan` gives them."""
+        if sq not in self._batches:
+            self._batches[sq] = self._sequences(sq)
+        return self._batches[sq]
+
+    def _sequences(self, sq: int):
         layer, end = self.rule.layer, self.kv_end
         first_query = end - sq  # absolute position of query 0
         seqs, rows = [], []
@@ -155,7 +185,7 @@ class StepMask:
                 f"{err} (positions counted from the row's first real token). To cut the image at the "
                 "chunk end as transformers does, use spanattn.hf.enable(model, allow_split_spans=True)"
             ) from None
-        return sa.plan(batch, layer, device=device), rows
+        return batch, rows
 
     @classmethod
     def every_key(cls, batch: int, sq: int, sk: int, options: Options) -> StepMask:
@@ -166,7 +196,7 @@ class StepMask:
     def __repr__(self) -> str:
         return (
             f"StepMask({self.rule.layer!r}, causal={self.rule.causal}, kv_offset={self.kv_offset}, "
-            f"kv_length={self.kv_length}, kv_end={self.kv_end}, plans={len(self.plans)})"
+            f"kv_length={self.kv_length}, kv_end={self._kv_end}, plans={len(self.plans)})"
         )
 
 
@@ -194,7 +224,8 @@ def step_mask(
     mask_function = mask_function or masking_utils.causal_mask_function
     if q_offset is None:  # older transformers pass the query positions instead
         q_offset = kw["cache_position"][0] if kw.get("cache_position") is not None else 0
-    q_offset = int(q_offset)  # a StaticCache keeps it on the device: one copy per forward and kind
+    if torch.is_tensor(q_offset) and q_offset.numel() == 1:
+        q_offset = q_offset.reshape(())
     if is_bidirectional(mask_function) and q_offset == 0 and int(kv_offset) == 0:
         family = family_of(config) if config is not None else None
         why = family.refuse(config) if family is not None else None
@@ -209,12 +240,26 @@ def step_mask(
             **kw,
         )
     rule = read_mask_function(mask_function)
-    kv_end = q_offset + q_length
+    kv_end = q_offset + q_length  # a tensor (on the device) under a StaticCache
+    if not torch.is_tensor(kv_end):
+        check_queries_among_keys(q_offset, kv_offset, kv_length, kv_end)
+    mask = StepMask(
+        rule, attention_mask, kv_offset, kv_length, kv_end, batch_size, q_length, options_of(config)
+    )
+    try:
+        mask.static = StaticStep.of(mask, kw.get("device") or _device_of(attention_mask, q_offset))
+    except (ValueError, NotImplementedError) as err:  # an eager forward raises it if it plans the same
+        mask.static_error = err
+    return mask
+
+
+def check_queries_among_keys(q_offset: int, kv_offset, kv_length: int, kv_end: int) -> None:
     if not int(kv_offset) < kv_end <= int(kv_offset) + kv_length:
         raise NotImplementedError(
             f"spanattn.hf needs this step's queries among its keys; the cache gives queries at "
             f"{q_offset}..{kv_end - 1} and keys {int(kv_offset)}..{int(kv_offset) + kv_length - 1}"
         )
-    return StepMask(
-        rule, attention_mask, kv_offset, kv_length, kv_end, batch_size, q_length, options_of(config)
-    )
+
+
+def _device_of(*tensors) -> torch.device:
+    return next((t.device for t in tensors if torch.is_tensor(t)), torch.device("cpu"))
