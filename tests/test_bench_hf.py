@@ -1,5 +1,5 @@
-"""benchmarks/hf_families.py end to end at toy sizes on CPU: every timed row checked against
-transformers' own attention, JSON and PNG written."""
+"""benchmarks/hf_families.py and hf_compiled.py end to end at toy sizes on CPU: every timed row
+checked against transformers' own attention, JSON (and PNG) written."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ pytest.importorskip("transformers")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("hf_families", ROOT / "benchmarks" / "hf_families.py")
+def load_script(name: str = "hf_families"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
@@ -45,3 +45,20 @@ def test_hf_families_tiny(tmp_path, capsys):
         ours["Gemma 3"]["images"] >= 1 and ours["PaliGemma 2"]["reference"] == "eager"
     )  # SDPA has no softcap
     assert path.with_suffix(".png").exists()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning", "ignore::UserWarning")
+def test_hf_compiled_tiny(tmp_path, capsys):
+    """One stack, one context: eager and compiled generate() under both attentions, and the
+    fp32 check that spanattn's greedy tokens equal SDPA's."""
+    script = load_script("hf_compiled")
+    argv = ["--tiny", "--out", str(tmp_path), "--families", "gemma3", "--sizes", "32", "--new", "4"]
+    assert script.main(argv + ["--warmup", "0", "--repeats", "1"]) == 0
+    assert "[1/1] Gemma 3" in capsys.readouterr().out
+    (path,) = tmp_path.glob("*-hf-compiled-cpu.json")
+    data = json.loads(path.read_text())
+    assert data["gpu"] is None and data["transformers"] and data["compile_config"]["fullgraph"]
+    check = data["exactness"]["Gemma 3"]
+    assert check["ok"] and check["fp32_tokens_equal"] and check["spanattn_compiled_tokens_equal_eager"]
+    ours = [r for r in data["results"] if r["impl"] == "spanattn"]
+    assert len(ours) == 1 and ours[0]["images"] >= 1 and "speedup_compiled" in ours[0]

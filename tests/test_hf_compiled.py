@@ -11,6 +11,7 @@ few seconds; what transformers compiles and why it recompiles is the same under 
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -59,6 +60,20 @@ def test_static_layout_eagerly(models, cache, monkeypatch):
     kw = hm.inputs(name)
     same_generation(eager.generate(**kw, cache_implementation=cache, **GREEDY),
                     ours.generate(**kw, cache_implementation=cache, **GREEDY))  # fmt: skip
+
+
+def test_static_layout_triton(models, monkeypatch):
+    """The same on the backend a GPU runs (Triton's interpreter on CPU): the prefill kernel over
+    the key buffers' packed-row view, the split-KV decode kernel, both from device plans."""
+    pytest.importorskip("triton")
+    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    name, eager, _, _ = models
+    ours = sahf.enable(copy.deepcopy(eager), backend="triton")
+    monkeypatch.setattr(sahf.attention, "is_compiling", lambda: True)
+    kw, short = hm.inputs(name), dict(GREEDY, max_new_tokens=3, min_new_tokens=3)
+    same_generation(eager.generate(**kw, cache_implementation="static", **short),
+                    ours.generate(**kw, cache_implementation="static", **short))  # fmt: skip
 
 
 def test_static_layout_chunked_prefill(models, monkeypatch):
