@@ -61,4 +61,4 @@ def test_hf_compiled_tiny(tmp_path, capsys):
     check = data["exactness"]["Gemma 3"]
     assert check["ok"] and check["fp32_tokens_equal"] and check["spanattn_compiled_tokens_equal_eager"]
     ours = [r for r in data["results"] if r["impl"] == "spanattn"]
-    assert len(ours) == 1 and ours[0]["images"] >= 1 and "speedup_compiled" in ours[0]
+    assert len(ours) == 1 and ours[0]["images"] >= 1 and "speedup_decode_compiled" in ours[0]
