@@ -17,8 +17,9 @@ How it plugs in (transformers >= 5):
   and calls :func:`spanattn.attention`. Encoder layers (vision and audio towers: bidirectional
   over their own inputs, no cache) keep transformers' SDPA.
 
-Supported: forward passes, ``generate()`` with a DynamicCache or a StaticCache, chunked prefill
-(token types of the whole prompt with each chunk), left padding (rows ``0..0 1..1``). Raised:
+Supported: forward passes, ``generate()`` with a DynamicCache or a StaticCache, transformers'
+compiled generation (torch.compile over a StaticCache: :mod:`spanattn.hf.static`), chunked
+prefill (token types of the whole prompt with each chunk), left padding (rows ``0..0 1..1``). Raised:
 right or inner padding, attention dropout, prepared 4D masks, span groups, masks spanattn has no
 policy for (named in the error).
 """
