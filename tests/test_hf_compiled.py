@@ -98,6 +98,18 @@ def test_static_layout_chunked_prefill(models, monkeypatch):
         assert ((mine - theirs).abs().max() / theirs.abs().max()).item() < TOL
 
 
+def test_static_layout_refuses_what_eager_refuses(models, monkeypatch):
+    """A chunk ending inside an image (the whole prompt's token types passed with it): the
+    compiled forward raises the host plan's error."""
+    name, _, ours, _ = models
+    monkeypatch.setattr(sahf.attention, "is_compiling", lambda: True)
+    kw = hm.row(name, hm.inputs(name, pixels=False), 0)
+    key = hm.FAMILIES[name][1]
+    cache = transformers.StaticCache(config=ours.config.get_text_config(), max_cache_len=64)
+    with torch.no_grad(), pytest.raises(ValueError, match="allow_split_spans"):
+        ours(input_ids=kw["input_ids"][:, :10], **{key: kw[key], hm.cache_kwarg(ours): cache})
+
+
 def compiled_generate(model, kw, compile_forward: bool):
     """Greedy generation through transformers' compiled path; returns (output, spanattn op
     calls, graphs compiled, dynamo's recompile reasons)."""

@@ -63,14 +63,14 @@ class StaticStep:
             kv_len = torch.full((batch,), end - mask.kv_offset, **i32)
         q_len, causal, cu_q, cu_k, no_spans = _constants(batch, sq, sk, mask.rule.causal, device)
         spans = cls._spans(mask, sq) if needs_spans(mask.rule.layer, sq) else []
-        step = dict(
+        tensors = dict(
             q_len=q_len,
             kv_len=kv_len,
             causal=causal,
             cu_seqlens_q=cu_q,
             spans=torch.tensor(spans, **i32) if spans else no_spans,
         )
-        lo, hi = compute_intervals(mask.rule.layer, step, batch * sq)
+        lo, hi = compute_intervals(mask.rule.layer, tensors, batch * sq)
         if mask.padding is not None:  # left padding: no real query sees a key before its row's first
             first = mask.padding.to(**i32).argmax(1)
             start = (first - mask.kv_offset).clamp_min(0).to(torch.int32).repeat_interleave(sq)

@@ -80,7 +80,8 @@ class StepMask:
         self._kv_end = kv_end if torch.is_tensor(kv_end) else int(kv_end)
         self.shape = (batch, 1, q_length, self.kv_length)
         self.plans, self._pads, self._spans, self._batches = {}, None, None, {}
-        self.static: StaticStep | None = None  # built by step_mask, else why not:
+        # what a compiled forward reads (step_mask builds it), or why it could not be built
+        self.static: StaticStep | None = None
         self.static_error: Exception | None = None
 
     def __getitem__(self, key):
@@ -224,8 +225,6 @@ def step_mask(
     mask_function = mask_function or masking_utils.causal_mask_function
     if q_offset is None:  # older transformers pass the query positions instead
         q_offset = kw["cache_position"][0] if kw.get("cache_position") is not None else 0
-    if torch.is_tensor(q_offset) and q_offset.numel() == 1:
-        q_offset = q_offset.reshape(())
     if is_bidirectional(mask_function) and q_offset == 0 and int(kv_offset) == 0:
         family = family_of(config) if config is not None else None
         why = family.refuse(config) if family is not None else None
