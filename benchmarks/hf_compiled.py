@@ -217,6 +217,8 @@ def main(argv=None) -> int:
     wanted = args.families.split(",")
     families = [f for f in hff.FAMILIES if f.needs in wanted and f.needs in MODELS]
     rows, checks, started = [], {}, time.perf_counter()
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {device}, {dtype}, "
+          f"contexts {args.sizes}, {args.new} new tokens", flush=True)  # fmt: skip
     for i, family in enumerate(families):
         print(f"[{i + 1}/{len(families)}] {family.name} ({family.source})", flush=True)
         family_rows, checks[family.name] = bench_family(family, args, device, dtype, started)
