@@ -64,6 +64,7 @@ class DevicePlan:
     facts: dict = field(default_factory=dict, repr=False)  # call facts that hold for every step
     _builders: dict = field(default_factory=dict, repr=False)
     batch = None  # no host-side batch: lengths are known on the device only
+    groups = None  # span groups are planned on the host only (plan_device.py refuses them)
 
     def __post_init__(self):
         self._encode()

@@ -15,6 +15,7 @@ Both parts contain ``k = q`` so their union is one interval and no row is empty.
 from __future__ import annotations
 
 import importlib.util
+from collections import Counter
 
 import torch
 
@@ -26,23 +27,41 @@ def step_tensors(batch: Batch, device) -> dict[str, torch.Tensor]:
     copy from pageable memory is a synchronous transfer, so planning makes exactly one).
 
     Keys: q_len, kv_len, causal, cu_seqlens_q, cu_seqlens_k ([n + 1]), spans ([m, 3]: seq, s, e;
-    only spans that start inside the chunk: later ones hold no query of this step).
+    only spans that start inside the chunk: later ones hold no query of this step). A step with
+    span groups also has span_group ([m]: the group's id in the step, -1 for none) and
+    num_groups (an int): a group counts only with two or more such spans (one acts as a span).
     """
     seqs = batch.seqs
     cu_q, cu_k = [0], [0]
     for s in seqs:
         cu_q.append(cu_q[-1] + s.q_len)
         cu_k.append(cu_k[-1] + s.kv_len)
-    spans = [x for i, s in enumerate(seqs) for a, b in s.spans if a < s.kv_len for x in (i, a, b)]
+    rows = [(i, a, b, g) for i, s in enumerate(seqs) for a, b, g in s.grouped_spans() if a < s.kv_len]
+    spans = [x for i, a, b, _ in rows for x in (i, a, b)]
     per_seq = ([s.q_len for s in seqs], [s.kv_len for s in seqs], [int(s.causal) for s in seqs])
     parts = (*per_seq, cu_q, cu_k, spans)
+    groups = _step_groups(rows)
+    if groups:
+        parts += (groups,)
     # Every part starts on 16 bytes: kernels specialize on pointer alignment, so offsets that
     # moved with the number of sequences would compile a kernel twice.
     padded = [x + [0] * (-len(x) % 4) for x in parts]
     buf = torch.tensor([v for x in padded for v in x], dtype=torch.int32).to(device, non_blocking=True)
     views = [t[: len(x)] for t, x in zip(buf.split([len(x) for x in padded]), parts)]
     keys = ("q_len", "kv_len", "causal", "cu_seqlens_q", "cu_seqlens_k")
-    return dict(zip(keys, views[:5]), spans=views[5].view(-1, 3))
+    step = dict(zip(keys, views[:5]), spans=views[5].view(-1, 3))
+    if groups:
+        step.update(span_group=views[6], num_groups=max(groups) + 1)
+    return step
+
+
+def _step_groups(rows) -> list[int]:
+    """Step-wide group ids of span rows ``(seq, start, end, group)``, numbered in order of first
+    appearance; -1 for spans without a group or alone in theirs. Empty when no group counts."""
+    count = Counter((i, g) for i, _, _, g in rows if g is not None)
+    ids: dict = {}
+    out = [ids.setdefault((i, g), len(ids)) if count[i, g] > 1 else -1 for i, _, _, g in rows]
+    return out if ids else []
 
 
 def seq_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -90,7 +109,6 @@ def intervals_torch(layer: LayerMask, step: dict, total_q: int) -> tuple[torch.T
     row_causal = per_row(causal)
 
     w = layer.window
-    big = 2**32  # (seq, position) as one int64 key: positions fit int32
     if w is None:
         lo = torch.zeros_like(q)
         hi = torch.where(row_causal, q, last)
@@ -101,14 +119,7 @@ def intervals_torch(layer: LayerMask, step: dict, total_q: int) -> tuple[torch.T
         hi = torch.where(row_causal, q, torch.minimum(q + w - (0 if wide else 1), last))
 
     if layer.spans != "off" and step["spans"].numel():
-        sp = step["spans"].long()
-        # Spans are sorted per sequence and disjoint, so the span that may hold q is the last one
-        # starting at or before q in the order (sequence, start).
-        starts = sp[:, 0] * big + sp[:, 1]
-        j = torch.searchsorted(starts, seq_id * big + q, right=True) - 1
-        jc = j.clamp_min(0)
-        span_seq, s, e = (sp[:, c].contiguous().index_select(0, jc) for c in range(3))
-        inside = (j >= 0) & (span_seq == seq_id) & (q <= e)
+        _, inside, s, e = span_holding(step["spans"], seq_id, q)
         span_hi = torch.minimum(e, last)
         if layer.spans == "on" or w is None:
             span_lo = s
@@ -120,6 +131,19 @@ def intervals_torch(layer: LayerMask, step: dict, total_q: int) -> tuple[torch.T
         dead = (token >= ends[-1]) | (last < 0)
         lo, hi = lo.masked_fill(dead, 0), hi.masked_fill(dead, -1)
     return lo.to(torch.int32), hi.to(torch.int32)
+
+
+def span_holding(spans: torch.Tensor, seq_id: torch.Tensor, pos: torch.Tensor):
+    """For each ``(seq_id, pos)`` (int64 tensors of one shape): the row of ``spans`` (step_tensors'
+    ``[m, 3]`` rows of seq, start, end, m >= 1) that may hold it, whether it does, and that
+    span's start and end. Spans are sorted per sequence and disjoint, so the one that may hold
+    ``pos`` is the last starting at or before it in the order (sequence, start)."""
+    sp = spans.long()
+    big = 2**32  # (seq, position) as one int64 key: positions fit int32
+    j = torch.searchsorted(sp[:, 0] * big + sp[:, 1], seq_id * big + pos, right=True) - 1
+    jc = j.clamp_min(0)
+    span_seq, s, e = (sp[:, c].contiguous().index_select(0, jc) for c in range(3))
+    return jc, (j >= 0) & (span_seq == seq_id) & (pos <= e), s, e
 
 
 def dense_from_intervals(lo: torch.Tensor, hi: torch.Tensor, kv_len: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .groups import SpanGroups, span_groups
 from .intervals import compute_intervals, dense_from_intervals, seq_ids, step_tensors
 from .spec import Batch, LayerMask
 
@@ -26,6 +27,8 @@ class Plan:
     lo, hi: int32 ``[total_q]``, inclusive key positions local to each query's sequence.
     cu_seqlens_q, cu_seqlens_k: int32 ``[num_seqs + 1]`` offsets into packed q and k/v.
     seq_lens: int32 ``[num_seqs]`` keys per sequence (``seqused_k`` for a paged cache).
+    groups: the span groups' part of the mask (groups.py), None when the step has none (then the
+        intervals are the whole mask).
     handle: int64 ``[1]`` on the CPU naming this plan (``Plan.from_handle``): how the torch ops
         (ops.py) reach the plan's host-side facts and cached tables without a device sync.
     """
@@ -37,6 +40,7 @@ class Plan:
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
     seq_lens: torch.Tensor
+    groups: SpanGroups | None = None
     _cache: dict = field(default_factory=dict, repr=False)
     # Lengths here are exact and known on the host; a device plan (plan_device.py) has a
     # Capacity instead, and its lengths are bounds.
@@ -120,11 +124,24 @@ class Plan:
     def to_dense(self, i: int) -> torch.Tensor:
         """Boolean ``[q_len, kv_len]`` mask of sequence ``i`` (True = attend)."""
         rows = self.seq_slice(i)
-        return dense_from_intervals(self.lo[rows], self.hi[rows], self.batch.seqs[i].kv_len)
+        return self.dense_rows(rows, int(self.cu_seqlens_k[i]), self.batch.seqs[i].kv_len)
+
+    def dense_rows(self, rows: slice, k0: int, kv_len: int) -> torch.Tensor:
+        """Boolean ``[rows, kv_len]`` mask of packed query ``rows`` of one sequence, whose keys
+        are packed rows ``k0..k0 + kv_len - 1``: the intervals, and the span groups' part."""
+        mask = dense_from_intervals(self.lo[rows], self.hi[rows], kv_len)
+        if self.groups is not None:
+            mask |= self.groups.dense(rows, slice(k0, k0 + kv_len), self.lo[rows])
+        return mask
 
     def allowed_pairs(self) -> int:
         """Allowed (query, key) pairs of the step; FLOPs are ``4 * D * Hq`` times this."""
-        return int((self.hi.long() - self.lo.long() + 1).sum())
+        pairs = int((self.hi.long() - self.lo.long() + 1).sum())
+        if self.groups is not None:
+            from .tiles import packed_intervals
+
+            pairs += self.groups.extra_pairs(*packed_intervals(self))
+        return pairs
 
     def density(self) -> float:
         """Allowed pairs over all ``q_len * kv_len`` pairs."""
@@ -136,12 +153,14 @@ class Plan:
         w = self.layer.window
         lines = [
             f"Plan: {self.num_seqs} seqs, {self.total_q} queries, {self.total_k} keys, "
-            f"window={w}, spans={self.layer.spans!r}, device={self.device}",
+            f"window={w}, spans={self.layer.spans!r}, device={self.device}"
+            + (f", {self.groups.num_groups} span groups" if self.groups is not None else ""),
             f"  allowed pairs {self.allowed_pairs():,} (density {self.density():.3f})",
         ]
         for i, s in enumerate(self.batch.seqs):
             r = self.seq_slice(i)
-            spans = ", ".join(f"[{a},{b}]" for a, b in s.spans) or "-"
+            spans = ", ".join(f"[{a},{b}]" + ("" if g is None else f"g{g}") for a, b, g in s.grouped_spans())
+            spans = spans or "-"
             lines.append(
                 f"  seq {i}: q {s.q_len} of kv {s.kv_len} (ctx {s.ctx}), "
                 f"{'causal' if s.causal else 'non-causal'}, spans {spans}, "
@@ -179,4 +198,5 @@ def plan(batch: Batch, layer: LayerMask, device="cpu") -> Plan:
         cu_seqlens_q=step["cu_seqlens_q"],
         cu_seqlens_k=step["cu_seqlens_k"],
         seq_lens=step["kv_len"],
+        groups=span_groups(layer, step, batch.total_q, batch.total_k),
     )

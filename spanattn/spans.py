@@ -7,6 +7,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from .spec import chunk_extents
+
 NON_SPAN_MODALITIES = ("audio",)
 
 
@@ -90,25 +92,37 @@ def drop_wide_spans(spans: Iterable[tuple[int, int]], window: int | None) -> lis
     return [(s, e) for s, e in spans if e - s + 1 <= window]
 
 
-def max_chunk_end(spans: Iterable[tuple[int, int]], start: int, budget: int) -> int:
-    """The largest exclusive chunk end in ``(start, start + budget]`` that cuts no span.
+def max_chunk_end(spans: Iterable[tuple[int, ...]], start: int, budget: int) -> int:
+    """The largest exclusive chunk end in ``(start, start + budget]`` that cuts no span and no
+    span group (spans may be ``(start, end, group)`` triples).
 
-    A chunk ``[start, end)`` cuts span ``[s, e]`` when ``s < end <= e``. If every end in range
-    cuts one (a span longer than the budget starts at or holds ``start``), the smallest end past
-    that span is returned so the scheduler still makes progress; it exceeds the budget.
+    A chunk ``[start, end)`` cuts span ``[s, e]`` when ``s < end <= e``; it cuts a span group
+    when it holds a query of the group and ends before the group's last span does
+    (``spanattn.spec.chunk_extents``: the hull of the group's spans from ``start`` on acts as
+    one span). If every end in range cuts something (a span or group longer than the budget
+    starts at or holds ``start``), the smallest end past it is returned so the scheduler still
+    makes progress; it exceeds the budget.
 
     >>> max_chunk_end([(100, 1219)], start=0, budget=512)
     100
     >>> max_chunk_end([(100, 1219)], start=100, budget=512)
     1220
+    >>> max_chunk_end([(10, 265, 0), (282, 537, 0)], start=0, budget=400)
+    10
     """
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
     if start < 0:
         raise ValueError(f"start must be >= 0, got {start}")
-    end = start + budget
-    for s, e in sorted(spans):
-        if s < end <= e:
-            end = s if s > start else e + 1
-            break
+    extents = [(s, e) for s, e, _ in chunk_extents(spans, start)]
+    cuts = lambda end: [e for s, e in extents if s < end <= e]
+    # the largest legal end is the budget's end or the start of some extent
+    for end in sorted(
+        {start + budget} | {s for s, _ in extents if start < s <= start + budget}, reverse=True
+    ):
+        if not cuts(end):
+            return end
+    end = start + 1
+    while cuts(end):
+        end = max(cuts(end)) + 1
     return end

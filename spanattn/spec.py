@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -55,20 +56,29 @@ class Seq:
     """One sequence of a step: ``q_len`` new queries at the end of ``kv_len`` keys.
 
     spans: inclusive absolute ``(start, end)`` positions of multimodal items (never rebased per
-        chunk); unsorted input is sorted, overlaps are an error.
+        chunk); unsorted input is sorted, overlaps are an error. A span given as ``(start, end,
+        group)`` belongs to span group ``group`` (an int >= 0, naming a group of this sequence
+        only): a query inside any span of a group also sees every key inside the group's other
+        spans (several images or video frames that all see each other; DESIGN.md section 1).
     prompt_len: length of the whole request, when known; spans past ``kv_len`` but inside the
-        prompt belong to later chunks and are ignored. Defaults to ``kv_len``.
+        prompt belong to later chunks and are ignored, except that a chunk must not end while a
+        group it holds queries of has spans left. Defaults to ``kv_len``.
     causal: ``False`` for bidirectional rows (diffusion canvases, encoders).
+    groups: the group of each span after sorting (None: no group); ``()`` when no span has one.
+        Filled from ``(start, end, group)`` spans, or given with pairs in ``spans``.
 
     >>> Seq(q_len=2048, kv_len=5000, spans=[(100, 1219)])
     Seq(q_len=2048, kv_len=5000, spans=((100, 1219),), causal=True, prompt_len=5000)
+    >>> Seq(q_len=600, spans=[(290, 545, 0), (10, 265, 0)]).groups
+    (0, 0)
     """
 
     q_len: int
     kv_len: int | None = None
-    spans: Sequence[tuple[int, int]] = ()
+    spans: Sequence[tuple[int, ...]] = ()
     causal: bool = True
     prompt_len: int | None = None
+    groups: Sequence[int | None] = ()
 
     def __post_init__(self):
         _check_int("Seq.q_len", self.q_len, 1)
@@ -79,45 +89,114 @@ class Seq:
         _check_int("Seq.prompt_len", prompt_len, kv_len)
         if not isinstance(self.causal, bool):
             raise TypeError(f"Seq.causal must be a bool, got {type(self.causal).__name__}")
-        spans = tuple(sorted(_as_span(sp) for sp in self.spans))
-        for (s0, e0), (s1, e1) in zip(spans, spans[1:]):
+        spans = sorted(_with_groups(self.spans, self.groups))
+        for (s0, e0, _), (s1, e1, _) in zip(spans, spans[1:]):
             if s1 <= e0:
                 raise ValueError(f"Seq.spans overlap: ({s0}, {e0}) and ({s1}, {e1})")
         if spans and spans[-1][1] >= prompt_len:
-            s, e = spans[-1]
+            s, e, _ = spans[-1]
             raise ValueError(
                 f"Seq.spans: span ({s}, {e}) ends past the prompt (positions 0..{prompt_len - 1}); "
                 "pass prompt_len if it belongs to a later chunk"
             )
+        groups = tuple(g for _, _, g in spans)
         object.__setattr__(self, "kv_len", kv_len)
         object.__setattr__(self, "prompt_len", prompt_len)
-        object.__setattr__(self, "spans", spans)
+        object.__setattr__(self, "spans", tuple((s, e) for s, e, _ in spans))
+        object.__setattr__(self, "groups", groups if any(g is not None for g in groups) else ())
+
+    def __repr__(self) -> str:
+        text = (
+            f"Seq(q_len={self.q_len}, kv_len={self.kv_len}, spans={self.spans!r}, "
+            f"causal={self.causal}, prompt_len={self.prompt_len}"
+        )
+        return text + (f", groups={self.groups!r})" if self.groups else ")")
 
     @property
     def ctx(self) -> int:
         """Tokens already in the KV cache before this step's queries."""
         return self.kv_len - self.q_len
 
-    def cut_span(self) -> tuple[int, int] | None:
-        """The span this chunk's end cuts (its queries could not see the rest of it), if any."""
+    def grouped_spans(self) -> list[tuple[int, int, int | None]]:
+        """``(start, end, group or None)`` of every span, sorted."""
+        groups = self.groups or (None,) * len(self.spans)
+        return [(s, e, g) for (s, e), g in zip(self.spans, groups)]
+
+    def cut_span(self) -> tuple[int, int, int | None] | None:
+        """What this chunk's end cuts, if anything: ``(start, end, group)`` of a span (group
+        None) or of a span group's spans from the first query on (``chunk_extents``) that the
+        last key lies inside, so that queries of it could not see the rest."""
         last = self.kv_len - 1
-        for s, e in self.spans:
+        for s, e, g in chunk_extents(self.grouped_spans(), self.ctx):
             if s <= last < e:
-                return (s, e)
+                return (s, e, g)
         return None
 
 
-def _as_span(span) -> tuple[int, int]:
+def chunk_extents(spans, start: int) -> list[tuple[int, int, int | None]]:
+    """What a chunk whose queries start at ``start`` must not end inside, sorted: every span
+    without a group, and for each span group the hull of its spans that end at or after
+    ``start``. A query of a group sees all of the group's spans, so a chunk holding one may end
+    only after the group's last span (or before the group's first span at or after ``start``).
+
+    ``spans``: ``(start, end)`` or ``(start, end, group)`` items, group None for none.
+
+    >>> chunk_extents([(10, 19, 0), (30, 39), (50, 59, 0), (70, 79, 1)], start=0)
+    [(10, 59, 0), (30, 39, None), (70, 79, 1)]
+    >>> chunk_extents([(10, 19, 0), (50, 59, 0)], start=25)
+    [(50, 59, 0)]
+    """
+    out, hulls = [], {}
+    for s, e, g in _with_groups(spans, ()):
+        if g is None:
+            out.append((s, e, None))
+        elif e >= start:
+            a, b = hulls.get(g, (s, e))
+            hulls[g] = (min(a, s), max(b, e))
+    return sorted(out + [(a, b, g) for g, (a, b) in hulls.items()], key=lambda x: x[:2])
+
+
+def _with_groups(spans, groups) -> list[tuple[int, int, int | None]]:
+    """``(start, end, group)`` items from pairs or triples and an optional ``groups`` list."""
+    items = [_as_span(sp) for sp in spans]
+    if groups:
+        if any(g is not None for _, _, g in items):
+            raise ValueError(
+                "Seq: give span groups either as (start, end, group) spans or as groups=, not both"
+            )
+        if len(groups) != len(items):
+            raise ValueError(f"Seq.groups has {len(groups)} entries for {len(items)} spans")
+        items = [(s, e, _as_group(g)) for (s, e, _), g in zip(items, groups)]
+    return items
+
+
+def _as_group(g) -> int | None:
+    if g is None:
+        return None
     try:
-        s, e = span
+        value = operator.index(g)
+    except TypeError:
+        value = -1
+    if isinstance(g, bool) or value < 0:
+        raise ValueError(f"Seq.spans: a span group must be an int >= 0 or None, got {g!r}")
+    return value
+
+
+def _as_span(span) -> tuple[int, int, int | None]:
+    try:
+        s, e, *rest = span
     except (TypeError, ValueError):
-        raise TypeError(f"Seq.spans: each span must be a (start, end) pair, got {span!r}") from None
+        rest = [None, None]
+    if len(rest) > 1:
+        raise TypeError(
+            f"Seq.spans: each span must be a (start, end) pair or a (start, end, group) triple, got {span!r}"
+        )
     s, e = int(s), int(e)
     if s < 0:
         raise ValueError(f"Seq.spans: span ({s}, {e}) has a negative start")
     if s > e:
         raise ValueError(f"Seq.spans: span ({s}, {e}) has start > end (spans are inclusive)")
-    return (s, e)
+    return (s, e, _as_group(rest[0]) if rest else None)
 
 
 @dataclass(frozen=True)
@@ -125,8 +204,9 @@ class Batch:
     """The sequences of one step, packed in this order.
 
     A chunk whose end cuts a span is an error (its queries cannot see the rest of their image,
-    so the result differs from an unchunked pass); ``allow_split_spans=True`` proceeds with the
-    span capped at the chunk end.
+    so the result differs from an unchunked pass), and so is one holding queries of a span group
+    whose last span ends after the chunk (``Seq.cut_span``); ``allow_split_spans=True`` proceeds
+    with the span or group capped at the chunk end.
 
     >>> Batch([Seq(4), Seq(q_len=1, kv_len=9)]).total_q
     5
@@ -144,10 +224,16 @@ class Batch:
                 raise TypeError(f"Batch.seqs[{i}] must be a Seq, got {type(seq).__name__}")
             cut = seq.cut_span()
             if cut is not None and not allow_split_spans:
+                s, e, g = cut
+                what = (
+                    f"span {(s, e)}"
+                    if g is None
+                    else f"span group {g} (its spans from the chunk's first query on: {s}..{e})"
+                )
                 raise ValueError(
-                    f"Batch.seqs[{i}]: the chunk ends at position {seq.kv_len - 1}, inside span "
-                    f"{cut}; its queries could not see the rest of the span. End the chunk at "
-                    f"{cut[0]} or {cut[1] + 1} (spanattn.max_chunk_end finds it) or pass "
+                    f"Batch.seqs[{i}]: the chunk ends at position {seq.kv_len - 1}, inside {what}; "
+                    f"its queries could not see the rest of the {'group' if g is not None else 'span'}. "
+                    f"End the chunk at {s} or {e + 1} (spanattn.max_chunk_end finds it) or pass "
                     "allow_split_spans=True"
                 )
         object.__setattr__(self, "seqs", seqs)

@@ -57,3 +57,30 @@ def layers(draw, max_window: int = 600):
 @st.composite
 def batches(draw, max_seqs: int = 4, max_len: int = 600):
     return sa.Batch(draw(st.lists(seqs(max_len), min_size=1, max_size=max_seqs)))
+
+
+@st.composite
+def grouped_seqs(draw, max_len: int = 300):
+    """A sequence with images or frames in span groups (a few ids, so groups have several spans;
+    spans near tile edges), some spans past the chunk end in the same groups."""
+    kv_len = draw(st.integers(1, max_len))
+    q_len = draw(st.one_of(st.integers(1, kv_len), st.just(kv_len)))
+    prompt = kv_len + draw(st.integers(0, 60))
+    spans, pos = [], draw(st.integers(0, 20))
+    item = st.tuples(st.integers(0, 24), st.sampled_from([1, 15, 16, 17, 33]) | st.integers(1, 60))
+    for gap, length in draw(st.lists(item, max_size=8)):
+        start = pos + gap
+        if start + length > prompt:
+            break
+        spans.append((start, start + length - 1))
+        pos = start + length
+    groups = draw(st.lists(st.sampled_from([None, 0, 0, 0, 1]), min_size=len(spans), max_size=len(spans)))
+    return sa.Seq(q_len, kv_len, spans, draw(st.booleans()), prompt, groups=groups)
+
+
+@st.composite
+def grouped_batches(draw, max_seqs: int = 3, max_len: int = 300):
+    """Batches with span groups; a chunk end that cuts a group is allowed (``allow_split_spans``:
+    the group capped at the chunk end), which the per-pair predicate describes as well."""
+    seqs_ = draw(st.lists(grouped_seqs(max_len), min_size=1, max_size=max_seqs))
+    return sa.Batch(seqs_, allow_split_spans=any(s.cut_span() for s in seqs_))
