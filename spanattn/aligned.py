@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .groups import SpanGroups
 from .intervals import seq_ids
 from .plan import Plan
 from .tiles import packed_intervals
@@ -39,6 +40,7 @@ class AlignedLayout:
     k: Rows
     lo: torch.Tensor  # int32 [q.num]: allowed keys in aligned key rows; rows holding no query
     hi: torch.Tensor  #   have (0, -1), an interval that touches no key and no tile
+    groups: SpanGroups | None = None  # the plan's span groups in the aligned rows (gaps: none)
 
     @property
     def copies(self) -> bool:
@@ -80,13 +82,18 @@ def aligned_layout(plan: Plan, block_m: int, block_n: int) -> AlignedLayout:
         q, k = padded_rows(plan, "q", block_m), padded_rows(plan, "k", block_n)
         alo, ahi = packed_intervals(plan)
         if q.rows is None and k.rows is None:
-            return AlignedLayout(q, k, alo, ahi)
-        shift = (k.starts - plan.cu_seqlens_k[:-1].long())[plan.query_seq_ids()].to(torch.int32)
+            return AlignedLayout(q, k, alo, ahi, plan.groups)
+        k_shift = k.starts - plan.cu_seqlens_k[:-1].long()
+        shift = k_shift[plan.query_seq_ids()].to(torch.int32)
         lo = torch.zeros(q.num, dtype=torch.int32, device=alo.device)
         hi = torch.full((q.num,), -1, dtype=torch.int32, device=alo.device)
         rows = slice(None) if q.rows is None else q.rows
         lo[rows], hi[rows] = alo + shift, ahi + shift
-        return AlignedLayout(q, k, lo, hi)
+        groups = plan.groups
+        if groups is not None:
+            key_shift = lambda r: k_shift[torch.searchsorted(plan.cu_seqlens_k[1:].long(), r, right=True)]
+            groups = groups.moved(q.rows, q.num, k.rows, k.num, key_shift)
+        return AlignedLayout(q, k, lo, hi, groups)
 
     return plan.cached(("aligned_layout", block_m, block_n), build)
 
@@ -109,5 +116,5 @@ def aligned_tile_tables(plan: Plan, block_m: int, block_n: int):
         return tile_tables(plan, block_m, block_n)
     return plan.cached(
         ("aligned_tile_tables", block_m, block_n),
-        lambda: build_tile_tables(layout.lo, layout.hi, layout.k.num, block_m, block_n),
+        lambda: build_tile_tables(layout.lo, layout.hi, layout.k.num, block_m, block_n, layout.groups),
     )

@@ -91,3 +91,27 @@ def check_step() -> tuple[Batch, dict[str, LayerMask]]:
         "W1": LayerMask(window=1),
     }
     return batch, layers
+
+
+def group_check_step(m: int = 1) -> tuple[Batch, dict[str, LayerMask]]:
+    """A mixed step with span groups that tests and the GPU scripts hold every backend to
+    (positions times ``m``; 1 suits the interpreter's 16-token tiles): video frames with text
+    between, a chunk after a prefix that ends between a group's spans plus a second group, a
+    decode row after a group, a non-causal canvas with one, a plain prompt; under spans on (no
+    window and a window narrower than a frame) and clamped."""
+    f = lambda *spans: [(a * m, b * m + m - 1, g) for a, b, g in spans]
+    batch = Batch(
+        [
+            Seq(90 * m, spans=f((5, 20, 0), (25, 44, 0), (49, 60, 0), (66, 81, 0))),
+            Seq(30 * m, 70 * m, spans=f((10, 25, 0), (40, 55, 0), (60, 65, 1), (68, 69, 1))),
+            Seq(1, 40 * m, spans=f((3, 9, 0), (20, 29, 0))),
+            Seq(12 * m, causal=False, spans=f((0, 3, 0), (8, 11, 0))),
+            Seq(5 * m),
+        ]
+    )
+    layers = {
+        "on": LayerMask(spans="on"),
+        "W24_clamp": LayerMask(window=24 * m, spans="clamp"),
+        "W9_on": LayerMask(window=9 * m, spans="on"),
+    }
+    return batch, layers

@@ -13,7 +13,9 @@ the tables are built on a grid of blocks instead, never on pairs:
 
 Blocks hanging over the end (``total_q`` or ``total_k`` not a multiple of the block) count their
 missing rows/columns as masked, as ``create_block_mask`` does, so they are never FULL and the
-kernel's ``mask_mod`` runs on them. Tables use flex's names and conventions: ``kv_num_blocks`` and
+kernel's ``mask_mod`` runs on them. Span groups (groups.py) add, for each query row of a group,
+the KV blocks holding keys of its group (counted exactly, so FULL and PARTIAL stay exact), and
+nothing else. Tables use flex's names and conventions: ``kv_num_blocks`` and
 ``kv_indices`` list the PARTIAL blocks, ``full_kv_*`` the FULL ones; each index row holds the
 listed blocks in ascending order followed by the other blocks, ascending.
 """
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .groups import SpanGroups
 from .plan import Plan
 
 
@@ -82,10 +85,40 @@ def _count_rows(starts, ends, weight, row_block, num_q_blocks, num_kv_blocks):
     return diff.view(num_q_blocks, width).cumsum(dim=1, dtype=torch.int32)[:, :num_kv_blocks]
 
 
-def build_tile_tables(alo, ahi, kv_len: int, BLOCK_M: int = 128, BLOCK_N: int = 128) -> TileTables:
-    """Tables for packed intervals ``alo, ahi`` (int ``[q_len]``, inclusive) over ``kv_len`` keys.
+def _group_rows(groups: SpanGroups, alo, ahi, kv_len, BLOCK_M, BLOCK_N, touching, covering) -> None:
+    """Add the rows of span groups to ``touching`` and ``covering`` (in place): for each such row
+    and each KV block of its hull (interval and group), the allowed keys it has there, counted
+    exactly (interval overlap + group keys outside the interval: ``SpanGroups.outside``).
+    O(group rows x blocks of their hulls)."""
+    rows = (groups.q_group >= 0).nonzero().flatten()
+    if not rows.numel():
+        return
+    g = groups.q_group[rows].long()
+    lo, hi = alo[rows], ahi[rows]
+    ext = groups.extents.long()[g]
+    nb0 = torch.minimum(lo, ext[:, 0]) // BLOCK_N
+    nb1 = torch.maximum(hi, ext[:, 1]) // BLOCK_N
+    width = int((nb1 - nb0).max()) + 1  # one host read: the widest hull
+    n = nb0[:, None] + torch.arange(width, device=rows.device)[None, :]
+    valid = n <= nb1[:, None]
+    b0 = n * BLOCK_N
+    b1 = torch.minimum(b0 + BLOCK_N - 1, torch.full_like(b0, kv_len - 1))
+    lo, hi, g = lo[:, None], hi[:, None], g[:, None].expand_as(n)
+    inter = (torch.minimum(b1, hi) - torch.maximum(b0, lo) + 1).clamp_min(0)
+    count = inter + groups.outside(g, lo.expand_as(n), hi.expand_as(n), b0, b1)
+    cell = ((rows // BLOCK_M)[:, None].expand_as(n)[valid], n[valid])
+    touching.index_put_(cell, (count > 0)[valid].to(torch.int32), accumulate=True)
+    covering.index_put_(cell, (count == BLOCK_N)[valid].to(torch.int32), accumulate=True)
 
-    Vectorized: O(q_len) scatter plus O(blocks) prefix sums and one sort per block row.
+
+def build_tile_tables(
+    alo, ahi, kv_len: int, BLOCK_M: int = 128, BLOCK_N: int = 128, groups: SpanGroups | None = None
+) -> TileTables:
+    """Tables for packed intervals ``alo, ahi`` (int ``[q_len]``, inclusive) over ``kv_len`` keys,
+    and the span groups' part of the mask in the same rows (``groups``, if any).
+
+    Vectorized: O(q_len) scatter plus O(blocks) prefix sums and one sort per block row (plus,
+    with groups, O(blocks) per row of a group).
     """
     q_len = alo.shape[0]
     num_q_blocks = -(-q_len // BLOCK_M)
@@ -98,9 +131,13 @@ def build_tile_tables(alo, ahi, kv_len: int, BLOCK_M: int = 128, BLOCK_N: int = 
     first = (alo + BLOCK_N - 1) // BLOCK_N
     last = (ahi + 1) // BLOCK_N - 1
     # Rows that cover no whole block add nothing; their (last + 1) may precede first, harmlessly.
-    covering = _count_rows(
-        first, last, (first <= last).to(torch.int32), row_block, num_q_blocks, num_kv_blocks
-    )
+    # A row of a span group counts its covers with its group keys (_group_rows) instead.
+    covers = first <= last
+    if groups is not None:
+        covers &= groups.q_group < 0
+    covering = _count_rows(first, last, covers.to(torch.int32), row_block, num_q_blocks, num_kv_blocks)
+    if groups is not None:
+        _group_rows(groups, alo, ahi, kv_len, BLOCK_M, BLOCK_N, touching, covering)
     full = covering == BLOCK_M  # a short last query block never reaches BLOCK_M
     partial = (touching > 0) & ~full
 
@@ -115,19 +152,20 @@ def tile_tables(plan: Plan, BLOCK_M: int = 128, BLOCK_N: int = 128, fused: bool 
     """The plan's packed tile tables, built once per plan and block shape.
 
     fused: one Triton launch that also writes the packed intervals (tiles_triton.py); default
-        on CUDA when triton is installed (planning there is bound by kernel launches). Otherwise
-        the torch code above.
+        on CUDA when triton is installed (planning there is bound by kernel launches). Otherwise,
+        and for plans with span groups (the fused builder reads intervals only), the torch code
+        above.
     """
 
     def build():
         use_triton = plan.device.type == "cuda" and importlib.util.find_spec("triton") is not None
-        if fused if fused is not None else use_triton:
+        if (fused if fused is not None else use_triton) and plan.groups is None:
             from .tiles_triton import fused_tile_tables
 
             packed, tables = fused_tile_tables(plan, BLOCK_M, BLOCK_N)
             plan.cached("packed_intervals", lambda: packed)
             return TileTables(*tables, BLOCK_M, BLOCK_N, plan.total_q, plan.total_k)
         alo, ahi = packed_intervals(plan)
-        return build_tile_tables(alo, ahi, plan.total_k, BLOCK_M, BLOCK_N)
+        return build_tile_tables(alo, ahi, plan.total_k, BLOCK_M, BLOCK_N, plan.groups)
 
     return plan.cached(("tile_tables", BLOCK_M, BLOCK_N), build)

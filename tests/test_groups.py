@@ -7,9 +7,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import batches, grouped_batches, layers
+from test_tiles import assert_tables_match, packed_dense, tables_from_dense
+from tolerance import assert_close_to_truth
 
 import spanattn as sa
-from spanattn.tiles import packed_intervals
+from spanattn.aligned import aligned_layout, aligned_tile_tables
+from spanattn.backends import reference
+from spanattn.scenarios import group_check_step
+from spanattn.tiles import packed_intervals, tile_tables
 
 
 def allowed(q, k, seq, layer):
@@ -177,3 +182,67 @@ def test_max_chunk_end_cuts_nothing(data):
                 later - start, later, spans=items, prompt_len=max([later] + [e + 1 for _, e, _ in items])
             )
             assert s.cut_span() is not None
+
+
+@pytest.mark.parametrize("layer", list(group_check_step()[1]))
+def test_reference_is_softmax_over_the_predicate_and_sdpa_holds_the_rule(layer):
+    batch, layers = group_check_step()
+    p = sa.plan(batch, layers[layer])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(n, 2, 16, generator=g, dtype=torch.float64) for n in (p.total_q, p.total_k, p.total_k)
+    )
+    out = reference.forward(q, k, v, p, scale=0.25, compute_dtype=torch.float64)[0]
+    cu_k = p.cu_seqlens_k.tolist()
+    for i, seq in enumerate(batch.seqs):
+        keys = slice(cu_k[i], cu_k[i + 1])
+        s = torch.einsum("qhd,khd->hqk", q[p.seq_slice(i)], k[keys]) * 0.25
+        probs = torch.softmax(s.masked_fill(~brute_mask(seq, layers[layer]), float("-inf")), -1)
+        torch.testing.assert_close(out[p.seq_slice(i)], torch.einsum("hqk,khd->qhd", probs, v[keys]))
+    q, k, v = (x.float() for x in (q, k, v))
+    got, lse = sa.attention(q, k, v, p, backend="sdpa", return_lse=True)
+    assert_close_to_truth(got, lse, q, k, v, p)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batch=grouped_batches(),
+    layer=layers(max_window=320),
+    bm=st.sampled_from([16, 32, 128]),
+    bn=st.sampled_from([16, 64, 80]),
+)
+def test_tile_tables_equal_the_dense_mask(batch, layer, bm, bn):
+    """A key tile holding a span of a query tile's group is visited, FULL exactly when every
+    pair is allowed; in the packed layout and the aligned one (flex's)."""
+    p = sa.plan(batch, layer)
+    assert_tables_match(p, bm, bn)
+    lay = aligned_layout(p, bm, bn)
+    keys = torch.arange(lay.k.num)
+    dense = (lay.lo[:, None] <= keys) & (keys <= lay.hi[:, None])
+    if lay.groups is not None:
+        dense |= lay.groups.dense(slice(None), slice(None), lay.lo)
+    moved = torch.zeros(lay.q.num, lay.k.num, dtype=torch.bool)
+    qr = torch.arange(p.total_q) if lay.q.rows is None else lay.q.rows
+    kr = torch.arange(p.total_k) if lay.k.rows is None else lay.k.rows
+    moved[qr[:, None], kr[None, :]] = packed_dense(p)
+    assert torch.equal(dense, moved)
+    t = aligned_tile_tables(p, bm, bn)
+    (num, idx), (full_num, full_idx) = tables_from_dense(dense, bm, bn)
+    assert torch.equal(t.kv_num_blocks, num) and torch.equal(t.kv_indices, idx)
+    assert torch.equal(t.full_kv_num_blocks, full_num) and torch.equal(t.full_kv_indices, full_idx)
+
+
+def test_tiles_of_other_frames_are_full_and_text_between_far_images_is_skipped():
+    frames = [(16 + 80 * i, 16 + 80 * i + 63, 0) for i in range(4)]  # 64-token frames, 16 text between
+    p = sa.plan(sa.Batch([sa.Seq(320, spans=frames)]), sa.LayerMask())
+    t = tile_tables(p, 16, 16)
+    # the query block of frame 0's first 16 tokens: every tile of frame 3 is FULL
+    full = set(t.full_kv_indices[1, : t.full_kv_num_blocks[1]].tolist())
+    assert {16, 17, 18, 19} <= full
+    images = [(10, 41, 0), (300, 331, 0)]  # two images, long text between
+    p = sa.plan(sa.Batch([sa.Seq(350, spans=images)]), sa.LayerMask())
+    t = tile_tables(p, 16, 16)
+    visited = set(t.kv_indices[1, : t.kv_num_blocks[1]].tolist()) | set(
+        t.full_kv_indices[1, : t.full_kv_num_blocks[1]].tolist()
+    )
+    assert visited == {0, 1, 2, 18, 19, 20}

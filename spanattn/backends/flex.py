@@ -1,7 +1,8 @@
 """FlexAttention lowering: the packed varlen step as ONE sequence of ``total_q`` queries by
 ``total_k`` keys, ``mask_mod = alo[q_idx] <= kv_idx <= ahi[q_idx]`` (packed intervals, two
-compares) and a BlockMask made directly from the plan's tile tables with
-``BlockMask.from_kv_blocks`` (never ``create_block_mask``, which evaluates the mask on every pair).
+compares; with span groups also ``q_group[q_idx] == k_group[kv_idx] >= 0``) and a BlockMask
+made directly from the plan's tile tables with ``BlockMask.from_kv_blocks`` (never
+``create_block_mask``, which evaluates the mask on every pair).
 
 Execution: CUDA runs ``torch.compile(..., dynamic=True)`` of one function that builds the
 BlockMask and calls ``flex_attention``; everything that changes per step (q/k/v, intervals,
@@ -69,12 +70,34 @@ def _from_kv_blocks_extra() -> dict:
     return {"compute_q_blocks": False} if "compute_q_blocks" in params else {}
 
 
-def _flex_step(q, k, v, alo, ahi, kv_num, kv_idx, full_num, full_idx, scale, softcap, return_lse):
-    """q ``[1, Hq, total_q, D]``, k/v ``[1, Hkv, total_k, D]``; tables ``[num_q_blocks(, n)]``."""
-    from torch.nn.attention import flex_attention as fa
+def mask_mod(alo, ahi, q_group=None, k_group=None, clamp: bool = False):
+    """The step's mask over packed (or aligned) rows as a flex ``mask_mod``: the interval, two
+    compares; with span groups (groups.py) also keys of the query's group (in clamp mode only
+    from the interval's start on). Group ids are unique across sequences: no sequence test."""
 
-    def mask_mod(b, h, q_idx, kv_idx):
+    def interval(b, h, q_idx, kv_idx):
         return (kv_idx >= alo[q_idx]) & (kv_idx <= ahi[q_idx])
+
+    if q_group is None:
+        return interval
+
+    def grouped(b, h, q_idx, kv_idx):
+        g = q_group[q_idx]
+        same = (g >= 0) & (k_group[kv_idx] == g)
+        if clamp:
+            same = same & (kv_idx >= alo[q_idx])
+        return interval(b, h, q_idx, kv_idx) | same
+
+    return grouped
+
+
+def _flex_step(
+    q, k, v, alo, ahi, kv_num, kv_idx, full_num, full_idx, scale, softcap, return_lse,
+    q_group=None, k_group=None, clamp=False,
+):  # fmt: skip
+    """q ``[1, Hq, total_q, D]``, k/v ``[1, Hkv, total_k, D]``; tables ``[num_q_blocks(, n)]``;
+    span groups' ids ``q_group [total_q]``, ``k_group [total_k]`` or None."""
+    from torch.nn.attention import flex_attention as fa
 
     score_mod = None
     if softcap is not None:
@@ -88,7 +111,7 @@ def _flex_step(q, k, v, alo, ahi, kv_num, kv_idx, full_num, full_idx, scale, sof
         full_num[None, None],
         full_idx[None, None],
         BLOCK_SIZE=(BLOCK_M, BLOCK_N),
-        mask_mod=mask_mod,
+        mask_mod=mask_mod(alo, ahi, q_group, k_group, clamp),
         seq_lengths=(q.shape[2], k.shape[2]),
         **_from_kv_blocks_extra(),
     )
@@ -119,9 +142,10 @@ def _softcap_tensor(value: float, device) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32, device=device)
 
 
-def _call(step, q, k, v, lo, hi, t, scale, softcap, return_lse):
+def _call(step, q, k, v, lo, hi, t, scale, softcap, return_lse, groups=None):
     # [tokens, H, D] -> [1, H, tokens, D] views; flex keeps q's stride order for its output,
     # so transposing back gives a contiguous [tokens, Hq, D] without a copy.
+    grouped = () if groups is None else (groups.q_group, groups.k_group, groups.clamp)
     out, lse = step(
         *(x.transpose(0, 1)[None] for x in (q, k, v)),
         lo,
@@ -133,6 +157,7 @@ def _call(step, q, k, v, lo, hi, t, scale, softcap, return_lse):
         scale,
         softcap,
         return_lse,
+        *grouped,
     )
     return out[0].transpose(0, 1), None if lse is None else lse[0].transpose(0, 1)
 
@@ -145,6 +170,7 @@ def aligned_step(step, q, k, v, plan, scale, softcap, return_lse):
         scatter_rows(q, layout.q),
         *(scatter_rows(x, layout.k) for x in (k, v)),
         layout.lo, layout.hi, aligned_tile_tables(plan, BLOCK_M, BLOCK_N), scale, softcap, return_lse,
+        layout.groups,
     )  # fmt: skip
     if layout.q.rows is not None:
         out, lse = out[layout.q.rows], None if lse is None else lse[layout.q.rows]
@@ -162,9 +188,10 @@ def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
         for i in range(plan.num_seqs):
             rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
             lo, hi = plan.lo[rows], plan.hi[rows]
-            t = build_tile_tables(lo, hi, keys.stop - keys.start, BLOCK_M, BLOCK_N)
+            groups = None if plan.groups is None else plan.groups.sequence(rows, keys)
+            t = build_tile_tables(lo, hi, keys.stop - keys.start, BLOCK_M, BLOCK_N, groups)
             qi, ki, vi = (x.float() for x in (q[rows], k[keys], v[keys]))
-            parts.append(_call(_flex_step, qi, ki, vi, lo, hi, t, scale, softcap, return_lse))
+            parts.append(_call(_flex_step, qi, ki, vi, lo, hi, t, scale, softcap, return_lse, groups))
         out = torch.cat([o for o, _ in parts])
         lse = torch.cat([x for _, x in parts]) if return_lse else None
     out = out.to(q.dtype).contiguous()

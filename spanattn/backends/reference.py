@@ -41,7 +41,11 @@ def per_sequence(q, k, v, plan, block_table=None):
             ki, vi = k[k0 : k0 + kv_len], v[k0 : k0 + kv_len]
         if group > 1:
             ki, vi = ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1)
-        mask = dense_from_intervals(plan.lo[q0:q1], plan.hi[q0:q1], kv_len).to(q.device)
+        if plan.groups is None:  # a device plan too (it has no groups)
+            mask = dense_from_intervals(plan.lo[q0:q1], plan.hi[q0:q1], kv_len)
+        else:
+            mask = plan.dense_rows(slice(q0, q1), k0, kv_len)
+        mask = mask.to(q.device)
         yield slice(q0, q1), mask, ki, vi
 
 

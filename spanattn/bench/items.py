@@ -55,8 +55,12 @@ def backend_item(name: str) -> Item:
 
 
 def _interval_mask_mod(plan):
-    alo, ahi = packed_intervals(plan)
-    return lambda b, h, q_idx, kv_idx: (kv_idx >= alo[q_idx]) & (kv_idx <= ahi[q_idx])
+    """The plan's mask over the packed step as a ``mask_mod``: the flex backend's (intervals, and
+    span groups where the plan has them)."""
+    from spanattn.backends.flex import mask_mod
+
+    g = plan.groups
+    return mask_mod(*packed_intervals(plan), *(() if g is None else (g.q_group, g.k_group, g.clamp)))
 
 
 @functools.cache
