@@ -156,3 +156,32 @@ def span_groups(layer, step: dict, total_q: int, total_k: int) -> SpanGroups | N
     order = torch.argsort(g * BIG + start)
     table = torch.stack([g, start, end], 1)[order].to(torch.int32)
     return SpanGroups(q_group, k_group, table, layer.spans == "clamp", step["num_groups"])
+
+
+def tile_runs(
+    groups: SpanGroups, cu_seqlens_k: torch.Tensor, block_n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a kernel walking ``block_n``-key tiles finds each group's keys: ``runs`` int32
+    ``[m, 2]``, the ``[start, end)`` key positions (in the group's sequence; starts on a tile
+    edge) of maximal runs of consecutive tiles that hold a span of one group, and ``index`` int32
+    ``[num_groups, 2]``, the rows ``[first, end)`` of ``runs`` that belong to each group. Video
+    frames with a few text tokens between them make ONE run; images far apart make one each.
+    Rows of ``runs`` past the last run are unused."""
+    g, s, e = (c.contiguous() for c in groups.spans.long().unbind(1))
+    base = cu_seqlens_k.long()[torch.searchsorted(cu_seqlens_k[1:].long(), s, right=True)]
+    s, e = s - base, e - base
+    first_tile, last_tile = s // block_n, e // block_n
+    prev_last = torch.cat([last_tile.new_full((1,), -2), last_tile[:-1]])
+    prev_group = torch.cat([g.new_full((1,), -1), g[:-1]])
+    new = (g != prev_group) | (first_tile > prev_last + 1)  # not adjacent to the group's last tile
+    run = torch.cumsum(new.long(), 0) - 1
+    m, n = len(g), groups.num_groups
+    full = lambda size, v: torch.full((size,), v, dtype=torch.int64, device=s.device)
+    runs = torch.stack(
+        [full(m, 2**31 - 1).scatter_reduce(0, run, first_tile * block_n, "amin"),
+         full(m, -1).scatter_reduce(0, run, e + 1, "amax")], 1,
+    )  # fmt: skip
+    index = torch.stack(
+        [full(n, m).scatter_reduce(0, g, run, "amin"), full(n, 0).scatter_reduce(0, g, run + 1, "amax")], 1
+    )
+    return runs.to(torch.int32), index.to(torch.int32)

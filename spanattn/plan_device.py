@@ -18,7 +18,8 @@ device, per sequence (``RULES``): a sequence that breaks one gets the empty inte
 rows, so its output rows are NaN and no other sequence's change; ``errors`` records the rule
 and :meth:`DevicePlanner.check` (a host sync, when the engine chooses) raises on it. Left to
 the engine: spans past the prompt (a span starting at or past ``kv_len`` is taken as a later
-chunk's) and the block table's and slot mapping's entries (each sequence's own pages).
+chunk's) and the block table's and slot mapping's entries (each sequence's own pages). Span
+groups are planned on the host only: a spans tensor with a group column is refused by name.
 """
 
 from __future__ import annotations
@@ -134,6 +135,11 @@ class DevicePlanner:
         self._load(self._q_len, q_lens, "q_lens", 0)
         self._load(self._kv_len, kv_lens, "kv_lens", 0)
         self._load(self._causal, causal if causal is not None else None, "causal", 1)
+        if torch.is_tensor(spans) and spans.dim() == 2 and spans.shape[1] == 4:
+            raise ValueError(
+                "spans with a group column: span groups are planned on the host only "
+                "(spanattn.plan with Seq spans (start, end, group)); device plans take (sequence, start, end)"
+            )
         if spans is not None and (not torch.is_tensor(spans) or spans.dim() != 2 or spans.shape[1] != 3):
             raise ValueError(f"spans must be a [m, 3] tensor of (sequence, start, end) rows, got {spans!r}")
         self._load(self._spans, spans, "spans", -1)

@@ -87,6 +87,11 @@ def _import_error() -> str | None:
 
 
 def unavailable(q, plan, **opts) -> str | None:
+    if plan.groups is not None:
+        return (
+            "the fa4 backend has no lowering of span groups (its mask_mod and block sparsity "
+            "read intervals only); the triton backend runs them"
+        )
     if not q.is_cuda:
         return "FA4 runs on CUDA only"
     if q.dtype not in (torch.float16, torch.bfloat16):

@@ -128,9 +128,12 @@ def gluon_reads_pages(q, k, v, plan, cfg: Config, page_size: int) -> bool:
 def gluon_runs_for(q, plan, cfg: Config) -> bool:
     """Everything ``uses_gluon`` asks but K/V's layout: a Gluon kernel built for head_dim and
     ``cfg.block_m``, q bf16/fp16 and TMA-readable, every sequence at least ``cfg.block_n`` keys
-    long (a tile never runs past its sequence's end), and ``gluon_runs_on`` the device."""
+    long (a tile never runs past its sequence's end), no span groups in the plan, and
+    ``gluon_runs_on`` the device."""
     name = GLUON_KERNELS.get((q.shape[-1], cfg.block_m))
     if not (cfg.gluon and cfg.tma and name and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if plan.groups is not None:  # span groups are lowered to kernel.py only (not to the Gluon kernels)
         return False
     if not gluon_runs_on(q.device, name) or plan.min_seqlen_k < cfg.block_n:
         return False
@@ -190,11 +193,12 @@ def _kernel_module():
 
 
 def prepare(plan, head_dim: int, dtype: torch.dtype = torch.bfloat16, group: int = 1) -> None:
-    """Build the step's tile schedule ahead of the first layer (cached on the plan): what a step
-    pays once for this backend besides ``spanattn.plan``, so that benchmarks count it. The
-    schedule of the kernel that will run, as far as the plan tells (a Gluon kernel needs TMA-
-    readable inputs too). A device plan keeps it and rebuilds it at every planner update,
-    unless its steps go to the decode kernel (``group``: query heads per KV head)."""
+    """Build the step's tile schedule (and span groups' tile runs) ahead of the first layer
+    (cached on the plan): what a step pays once for this backend besides ``spanattn.plan``, so
+    that benchmarks count it. The schedule of the kernel that will run, as far as the plan
+    tells (a Gluon kernel needs TMA-readable inputs too). A device plan keeps it and rebuilds
+    it at every planner update, unless its steps go to the decode kernel (``group``: query
+    heads per KV head)."""
     kmod = _kernel_module()
     if plan.capacity is not None:
         from .decode import suited
@@ -210,11 +214,17 @@ def prepare(plan, head_dim: int, dtype: torch.dtype = torch.bfloat16, group: int
         return
     gcfg = pick_gluon(head_dim, dtype)
     name = gcfg and GLUON_KERNELS.get((head_dim, gcfg.block_m))
-    if name and gluon_runs_on(plan.device, name) and plan.min_seqlen_k >= gcfg.block_n:
+    if (
+        name
+        and gluon_runs_on(plan.device, name)
+        and plan.min_seqlen_k >= gcfg.block_n
+        and plan.groups is None
+    ):
         cfg = gcfg
     else:
         cfg = pick(head_dim, dtype, kmod.INTERPRETED, plan.layer.window)
     tile_schedule(plan, cfg.block_m, cfg.block_n)
+    group_args(plan, cfg.block_n)
 
 
 def unavailable(q, plan, **opts) -> str | None:
@@ -319,9 +329,11 @@ def forward(
     sched = tile_schedule(plan, cfg.block_m, cfg.block_n, lpt)
     kd, vd = _descriptors(k, v, cfg, d) if tma else (k, v)
     grid = (sched.num_tiles * hq * cfg.dv_split,)
+    groups = plan.groups
     kmod.attn_fwd[grid](
         q, k, v, kd, vd, out, lse if return_lse else out,
         plan.lo, plan.hi, sched.info, block_table if paged else plan.seq_lens,
+        *group_args(plan, cfg.block_n),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), block_table.stride(0) if paged else 0,
         qk_scale, softcap_log2,
@@ -330,9 +342,26 @@ def forward(
         SOFTCAP=bool(softcap), RETURN_LSE=return_lse, PAGED=paged, PAGE_SIZE=page_size or 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHILE_LOOPS=kmod.INTERPRETED,
         ONE_LOOP=cfg.one_loop, DV_SPLIT=cfg.dv_split, TMA=tma, N_INFO=len(INFO),
+        GROUPS=groups is not None, CLAMP=groups is not None and groups.clamp,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, lse
+
+
+def group_args(plan, block_n: int) -> tuple:
+    """The kernels' span group tensors (groups.py): query groups, key groups, and where each
+    group's tile runs are (``tile_runs`` for ``block_n``-key tiles, cached on the plan). A plan
+    without groups passes its ``lo`` four times: the kernel compiled with ``GROUPS=False`` never
+    reads them."""
+    g = plan.groups
+    if g is None:
+        return (plan.lo,) * 4
+    from ...groups import tile_runs
+
+    runs, index = plan.cached(
+        ("triton.group_runs", block_n), lambda: tile_runs(g, plan.cu_seqlens_k, block_n)
+    )
+    return g.q_group, g.k_group, index, runs
 
 
 __all__ = ["Config", "forward", "prepare", "unavailable"]

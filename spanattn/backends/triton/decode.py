@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .configs import next_pow2
+from .mask import tile_mask
 
 LOG2E = 1.4426950408889634
 # The interpreter cannot take loaded scalars as range() bounds under numpy >= 2.4 (int() of a
@@ -38,9 +39,10 @@ PROGRAMS_PER_SM = 32  # work items per SM the split size aims for (D1 on H200: ~
 @triton.jit
 def _decode_tile(
     acc, m_i, l_i, q, K, V, n, kv_hi, lo, hi, k_row0, seq, BLOCK_TABLE, stride_bt,
-    stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap_log2,
+    stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap_log2, gsel, KG,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, SOFTCAP: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUPS: tl.constexpr, CLAMP: tl.constexpr,
 ):  # fmt: skip
     """Keys ``[n, n + BLOCK_N)`` of the online softmax, in the log2 domain (exp2 is one op)."""
     kv_idx = n + tl.arange(0, BLOCK_N)
@@ -64,8 +66,7 @@ def _decode_tile(
         s = (1.0 - 2.0 / (tl.exp2(s * qk_scale * 2.8853900817779268) + 1.0)) * softcap_log2
     else:
         s = s * qk_scale
-    allowed = (kv_idx[None, :] >= lo[:, None]) & (kv_idx[None, :] <= hi[:, None])
-    s = tl.where(allowed, s, float("-inf"))
+    s = tl.where(tile_mask(kv_idx, lo, hi, gsel, KG, 0, kv_hi + 1, GROUPS, CLAMP), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row may have no allowed key in this split yet (windows, padding rows): keep exp2 away
     # from (-inf) - (-inf).
@@ -90,11 +91,11 @@ def _decode_split(
     Q, K, V, OUT, LSE, OUT_PART, LSE_PART, LO, HI, CU_SEQLENS_Q, CU_SEQLENS_K, BLOCK_TABLE,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_bt, stride_ls,
-    num_splits, min_split_tiles, qk_scale, softcap_log2,
+    num_splits, min_split_tiles, qk_scale, softcap_log2, Q_GROUP, K_GROUP, GROUP_EXTENT,
     HQ: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, RETURN_LSE: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WHILE_LOOPS: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr, GROUPS: tl.constexpr, CLAMP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     seq = pid // (HQ // GROUP)
@@ -116,6 +117,22 @@ def _decode_split(
     hi = tl.load(HI + tok, mask=has_q, other=-1)
     kv_hi = tl.max(hi)
     kv_start = (tl.min(lo) // BLOCK_N) * BLOCK_N
+    if GROUPS:
+        # Span groups: the splits divide the hull of the rows' intervals and their groups' keys
+        # (each tile masked with the groups; decode rows inside a group are rare, so tiles
+        # between a group's spans are walked rather than skipped as the prefill kernel does).
+        gq = tl.load(Q_GROUP + tok, mask=has_q, other=-1)
+        gsel = tl.where(gq >= 0, gq, -2)
+        k_base = tl.load(CU_SEQLENS_K + seq)
+        KG = K_GROUP + k_base
+        g_first = tl.load(GROUP_EXTENT + 2 * gq, mask=gq >= 0, other=2147483647)
+        g_last = tl.load(GROUP_EXTENT + 2 * gq + 1, mask=gq >= 0, other=-1)
+        kv_hi = tl.maximum(kv_hi, tl.max(g_last) - k_base)
+        if not CLAMP:  # clamp rows see no group key below their lo
+            kv_start = tl.minimum(kv_start, (tl.maximum(tl.min(g_first) - k_base, 0) // BLOCK_N) * BLOCK_N)
+    else:
+        gsel = lo
+        KG = K_GROUP
     n_tiles = tl.cdiv(kv_hi + 1 - kv_start, BLOCK_N)
     # At least min_split_tiles per split (uniform work across sequences; trailing splits of
     # short sequences find nothing and only write an empty partial), and enough that the
@@ -144,16 +161,16 @@ def _decode_split(
         while n < n_end:
             acc, m_i, l_i = _decode_tile(
                 acc, m_i, l_i, q, K, V, n, kv_hi, lo, hi, k_row0, seq, BLOCK_TABLE, stride_bt,
-                stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap_log2,
-                BLOCK_N, HEAD_DIM, D, SOFTCAP, PAGED, PAGE_SIZE, DOT_PRECISION,
+                stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap_log2, gsel, KG,
+                BLOCK_N, HEAD_DIM, D, SOFTCAP, PAGED, PAGE_SIZE, DOT_PRECISION, GROUPS, CLAMP,
             )  # fmt: skip
             n += BLOCK_N
     else:
         for n in range(n_begin, n_end, BLOCK_N):
             acc, m_i, l_i = _decode_tile(
                 acc, m_i, l_i, q, K, V, n, kv_hi, lo, hi, k_row0, seq, BLOCK_TABLE, stride_bt,
-                stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap_log2,
-                BLOCK_N, HEAD_DIM, D, SOFTCAP, PAGED, PAGE_SIZE, DOT_PRECISION,
+                stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap_log2, gsel, KG,
+                BLOCK_N, HEAD_DIM, D, SOFTCAP, PAGED, PAGE_SIZE, DOT_PRECISION, GROUPS, CLAMP,
             )  # fmt: skip
 
     empty = l_i == 0.0
@@ -294,15 +311,18 @@ def decode_forward(
     else:
         (kt, kh), (vt, vh), kb = k.stride()[:2], v.stride()[:2], 0
         vb, bt, bt_stride, page = 0, plan.seq_lens, 0, 1
+    groups = plan.groups
+    group_tensors = (plan.lo,) * 3 if groups is None else (groups.q_group, groups.k_group, groups.extents)
     _decode_split[(plan.num_seqs * hkv, splits)](
         q, k, v, out, lse if lse is not None else out, o_part, lse_part, plan.lo, plan.hi,
         plan.cu_seqlens_q, plan.cu_seqlens_k, bt,
         q.stride(0), q.stride(1), kb, kt, kh, vb, vt, vh, out.stride(0), out.stride(1), bt_stride,
-        total_q * hq, splits, -(-split_keys // block_n), qk_scale, softcap_log2,
+        total_q * hq, splits, -(-split_keys // block_n), qk_scale, softcap_log2, *group_tensors,
         HQ=hq, GROUP=group, HEAD_DIM=head_dim, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         SOFTCAP=bool(softcap), RETURN_LSE=return_lse, PAGED=paged, PAGE_SIZE=page,
         SPLIT=splits > 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        WHILE_LOOPS=INTERPRETED, num_warps=warps, num_stages=stages,
+        WHILE_LOOPS=INTERPRETED, GROUPS=groups is not None, CLAMP=groups is not None and groups.clamp,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
         _merge_splits[(total_q * hq,)](

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .columns import FULL_END, FULL_START, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST, SEQ
+from .mask import tile_mask
 from .rows import kv_rows, tile_pages
 
 INTERPRETED = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else False
@@ -35,13 +36,13 @@ INTERPRETED = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") e
 
 @triton.jit
 def _softmax(
-    s, m_i, l_i, kv_idx, lo, hi, qk_scale, softcap_log2, partial, MASKED: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    s, m_i, l_i, kv_idx, lo, hi, qk_scale, softcap_log2, partial, gsel, KG, key_lo, key_end,
+    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, GROUPS: tl.constexpr, CLAMP: tl.constexpr,
 ):  # fmt: skip
     """The online-softmax step of one tile's raw scores ``s``: ``p`` (fp32, unnormalized), the
     factor ``alpha`` that rescales what was accumulated before, the new row max and row sum.
     Scores live in the log2 domain (exp2 is one MUFU op). MASKED: 0 = a FULL tile, 1 = a
-    PARTIAL tile, 2 = decided at run time by ``partial``."""
+    PARTIAL tile, 2 = decided at run time by ``partial``; masked by ``mask.tile_mask``."""
     if SOFTCAP:
         # c * tanh(x) with x = score * scale / c; tanh(x) = 1 - 2 / (exp(2x) + 1), which saturates
         # cleanly to +-1 (tl has no portable tanh across triton versions). Result in log2 units.
@@ -51,11 +52,11 @@ def _softmax(
         # Raw scores; the scale is folded into exp2's argument below (one FFMA per score).
         s_scale = qk_scale
     if MASKED == 1:
-        s = tl.where((kv_idx[None, :] >= lo[:, None]) & (kv_idx[None, :] <= hi[:, None]), s, float("-inf"))
+        s = tl.where(tile_mask(kv_idx, lo, hi, gsel, KG, key_lo, key_end, GROUPS, CLAMP), s, float("-inf"))
     elif MASKED == 2:
         if partial:
             s = tl.where(
-                (kv_idx[None, :] >= lo[:, None]) & (kv_idx[None, :] <= hi[:, None]), s, float("-inf")
+                tile_mask(kv_idx, lo, hi, gsel, KG, key_lo, key_end, GROUPS, CLAMP), s, float("-inf")
             )
     # m_i is in scaled log2 units; the scale is positive so it commutes with max.
     m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
@@ -74,8 +75,9 @@ def _softmax(
 @triton.jit
 def _attend(
     acc, m_i, l_i, q, K, V, rows, kv_idx, lo, hi, stride_kt, stride_vt, offs_d, offs_dv, qk_scale,
-    softcap_log2, partial, MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    softcap_log2, partial, gsel, KG, key_end, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUPS: tl.constexpr,
+    CLAMP: tl.constexpr,
 ):  # fmt: skip
     """One KV tile through pointer loads: scores, softmax, P @ V."""
     if HEAD_DIM != D:  # head_dim padded up to a power of two: the pad columns read as zero
@@ -84,8 +86,9 @@ def _attend(
         k = tl.load(K + rows[:, None] * stride_kt + offs_d[None, :])
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     p, alpha, m_i, l_i = _softmax(
-        s, m_i, l_i, kv_idx, lo, hi, qk_scale, softcap_log2, partial, MASKED, SOFTCAP
-    )
+        s, m_i, l_i, kv_idx, lo, hi, qk_scale, softcap_log2, partial, gsel, KG, 0, key_end, MASKED,
+        SOFTCAP, GROUPS, CLAMP,
+    )  # fmt: skip
     acc = acc * alpha[:, None]
     if HEAD_DIM != D:
         v = tl.load(V + rows[:, None] * stride_vt + offs_dv[None, :], mask=offs_dv[None, :] < D, other=0.0)
@@ -98,8 +101,9 @@ def _attend(
 @triton.jit
 def _tma_tile(
     acc, m_i, l_i, q, n, full_start, full_end, lo, hi, offs_n, qk_scale, softcap_log2, desc_k,
-    desc_v, tma_row0, tma_last, k_col0, v_col0, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    desc_v, tma_row0, tma_last, k_col0, v_col0, gsel, KG, key_end, MASKED: tl.constexpr,
+    SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUPS: tl.constexpr,
+    CLAMP: tl.constexpr,
 ):  # fmt: skip
     """One KV tile through TMA. The tile across the sequence end is read shifted back to end
     with the sequence (see attn_fwd); its keys below ``n`` were walked by the previous tile."""
@@ -108,8 +112,8 @@ def _tma_tile(
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     partial = (n < full_start) | (n + BLOCK_N > full_end)
     p, alpha, m_i, l_i = _softmax(
-        s, m_i, l_i, n_load + offs_n, tl.maximum(lo, n), hi, qk_scale, softcap_log2, partial, MASKED,
-        SOFTCAP,
+        s, m_i, l_i, n_load + offs_n, tl.maximum(lo, n), hi, qk_scale, softcap_log2, partial, gsel, KG,
+        n, key_end, MASKED, SOFTCAP, GROUPS, CLAMP,
     )  # fmt: skip
     acc = acc * alpha[:, None]
     v = desc_v.load([tma_row0 + n_load, v_col0])
@@ -120,9 +124,9 @@ def _tma_tile(
 @triton.jit
 def _walk_tma(
     acc, m_i, l_i, q, start, end, full_start, full_end, lo, hi, offs_n, qk_scale, softcap_log2,
-    desc_k, desc_v, tma_row0, tma_last, k_col0, v_col0, MASKED: tl.constexpr,
+    desc_k, desc_v, tma_row0, tma_last, k_col0, v_col0, gsel, KG, key_end, MASKED: tl.constexpr,
     SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WHILE_LOOPS: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr, GROUPS: tl.constexpr, CLAMP: tl.constexpr,
 ):  # fmt: skip
     """KV tiles ``[start, end)`` in steps of BLOCK_N through TMA (loops as in ``_walk``)."""
     if WHILE_LOOPS:
@@ -130,16 +134,16 @@ def _walk_tma(
         while n < end:
             acc, m_i, l_i = _tma_tile(
                 acc, m_i, l_i, q, n, full_start, full_end, lo, hi, offs_n, qk_scale, softcap_log2,
-                desc_k, desc_v, tma_row0, tma_last, k_col0, v_col0, MASKED, SOFTCAP, BLOCK_N,
-                DOT_PRECISION,
+                desc_k, desc_v, tma_row0, tma_last, k_col0, v_col0, gsel, KG, key_end, MASKED,
+                SOFTCAP, BLOCK_N, DOT_PRECISION, GROUPS, CLAMP,
             )  # fmt: skip
             n += BLOCK_N
     else:
         for n in range(start, end, BLOCK_N):
             acc, m_i, l_i = _tma_tile(
                 acc, m_i, l_i, q, n, full_start, full_end, lo, hi, offs_n, qk_scale, softcap_log2,
-                desc_k, desc_v, tma_row0, tma_last, k_col0, v_col0, MASKED, SOFTCAP, BLOCK_N,
-                DOT_PRECISION,
+                desc_k, desc_v, tma_row0, tma_last, k_col0, v_col0, gsel, KG, key_end, MASKED,
+                SOFTCAP, BLOCK_N, DOT_PRECISION, GROUPS, CLAMP,
             )  # fmt: skip
     return acc, m_i, l_i
 
@@ -147,12 +151,14 @@ def _walk_tma(
 @triton.jit
 def _walk(
     acc, m_i, l_i, q, K, V, start, end, kv_end, full_start, full_end, k_row0, BT, lo, hi,
-    stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, MASKED: tl.constexpr,
-    SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WHILE_LOOPS: tl.constexpr,
+    stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
+    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WHILE_LOOPS: tl.constexpr, GROUPS: tl.constexpr,
+    CLAMP: tl.constexpr,
 ):  # fmt: skip
-    """KV tiles ``[start, end)`` in steps of BLOCK_N through pointer loads. A ``for`` loop is what
+    """KV tiles ``[start, end)`` in steps of BLOCK_N through pointer loads; no key at or past
+    ``kv_end`` is read (masked tiles clamp their addresses below it). A ``for`` loop is what
     triton software-pipelines; the interpreter cannot take loaded scalars as ``range`` bounds under
     numpy >= 2.4 (int() of a 1-element array), so it walks the same tiles with ``while``.
 
@@ -173,16 +179,16 @@ def _walk(
         while n < end:
             acc, m_i, l_i, page = _kv_tile(
                 acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, BT, lo, hi,
-                stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, MASKED,
-                SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
+                stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
+                MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, GROUPS, CLAMP,
             )  # fmt: skip
             n += BLOCK_N
     else:
         for n in range(start, end, BLOCK_N):
             acc, m_i, l_i, page = _kv_tile(
                 acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, BT, lo, hi,
-                stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, MASKED,
-                SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
+                stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
+                MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, GROUPS, CLAMP,
             )  # fmt: skip
     return acc, m_i, l_i
 
@@ -190,9 +196,10 @@ def _walk(
 @triton.jit
 def _kv_tile(
     acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, BT, lo, hi,
-    stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, MASKED: tl.constexpr,
-    SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
+    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUPS: tl.constexpr, CLAMP: tl.constexpr,
 ):  # fmt: skip
     """The KV tile at ``n`` (its block_table entries ``page``), and the next tile's entries,
     loaded before this tile's work (see ``_walk``)."""
@@ -204,9 +211,37 @@ def _kv_tile(
     rows = kv_rows(page, n, kv_end, k_row0, offs_n, MASKED, PAGED, PAGE_SIZE, BLOCK_N)
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, K, V, rows, n + offs_n, lo, hi, stride_kt, stride_vt, offs_d, offs_dv,
-        qk_scale, softcap_log2, partial, MASKED, SOFTCAP, HEAD_DIM, D, DOT_PRECISION,
+        qk_scale, softcap_log2, partial, gsel, KG, kv_end, MASKED, SOFTCAP, HEAD_DIM, D,
+        DOT_PRECISION, GROUPS, CLAMP,
     )  # fmt: skip
     return acc, m_i, l_i, next_page
+
+
+@triton.jit
+def _group_piece(
+    acc, m_i, l_i, q, K, V, K_DESC, V_DESC, start, end, key_end, k_row0, kv_len, kv_head, dv_part,
+    BT, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
+    SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr, DV_SPLIT: tl.constexpr, TMA: tl.constexpr, CLAMP: tl.constexpr,
+):  # fmt: skip
+    """Masked KV tiles ``[start, end)`` of one group's run (no key at or past ``key_end``): the
+    span groups' walks outside a tile's interval range, through TMA or pointers as the rest."""
+    if TMA:
+        k_col0 = kv_head * D
+        acc, m_i, l_i = _walk_tma(
+            acc, m_i, l_i, q, start, end, start, start, lo, hi, offs_n, qk_scale, softcap_log2, K_DESC,
+            V_DESC, k_row0.to(tl.int32), kv_len - BLOCK_N, k_col0,
+            k_col0 + dv_part * (HEAD_DIM // DV_SPLIT), gsel, KG, key_end, 1, SOFTCAP, BLOCK_N,
+            DOT_PRECISION, WHILE_LOOPS, True, CLAMP,
+        )  # fmt: skip
+    else:
+        acc, m_i, l_i = _walk(
+            acc, m_i, l_i, q, K, V, start, end, key_end, start, start, k_row0, BT, lo, hi, stride_kt,
+            stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG, 1, SOFTCAP, HEAD_DIM, D,
+            BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, True, CLAMP,
+        )  # fmt: skip
+    return acc, m_i, l_i
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the block table's width may change per step
@@ -222,6 +257,10 @@ def attn_fwd(
     HI,
     TILE_INFO,
     BLOCK_TABLE,
+    Q_GROUP,
+    K_GROUP,
+    GROUP_RUNS,
+    RUNS,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -249,6 +288,8 @@ def attn_fwd(
     DV_SPLIT: tl.constexpr,
     TMA: tl.constexpr,
     N_INFO: tl.constexpr,
+    GROUPS: tl.constexpr,
+    CLAMP: tl.constexpr,
 ):
     # Heads vary fastest so that all heads of one (heavy, LPT-ordered) tile run together and
     # share its K/V tiles through L2.
@@ -297,6 +338,19 @@ def attn_fwd(
         full_start = tl.minimum((tl.max(lo) + BLOCK_N - 1) // BLOCK_N * BLOCK_N, kv_end)
         full_end = tl.where(live, tl.maximum((tl.min(hi) + 1) // BLOCK_N * BLOCK_N, full_start), 0)
 
+    # Span groups (groups.py): rows' groups, and the tile's range of them. The walk of
+    # [kv_start, kv_end) masks with the groups too and reads keys up to the sequence end (a
+    # tile there may hold keys of a group past kv_end); _group_walks adds the rest.
+    if GROUPS:
+        gq = tl.load(Q_GROUP + q_idx)
+        gsel = tl.where(gq >= 0, gq, -2)
+        KG = K_GROUP + k_row0
+        key_end = kv_len
+    else:
+        gsel = lo
+        KG = K_GROUP
+        key_end = kv_end
+
     q_rows = q_row0.to(tl.int64) + offs_m
     q_ptrs = Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
     if HEAD_DIM != D:
@@ -322,52 +376,83 @@ def attn_fwd(
         if ONE_LOOP:
             acc, m_i, l_i = _walk_tma(
                 acc, m_i, l_i, q, kv_start, kv_end, full_start, full_end, lo, hi, offs_n, qk_scale,
-                softcap_log2, K_DESC, V_DESC, tma_row0, tma_last, k_col0, v_col0, 2, SOFTCAP, BLOCK_N,
-                DOT_PRECISION, WHILE_LOOPS,
+                softcap_log2, K_DESC, V_DESC, tma_row0, tma_last, k_col0, v_col0, gsel, KG, key_end, 2,
+                SOFTCAP, BLOCK_N, DOT_PRECISION, WHILE_LOOPS, GROUPS, CLAMP,
             )  # fmt: skip
         else:
             acc, m_i, l_i = _walk_tma(
                 acc, m_i, l_i, q, kv_start, full_start, full_start, full_end, lo, hi, offs_n, qk_scale,
-                softcap_log2, K_DESC, V_DESC, tma_row0, tma_last, k_col0, v_col0, 1, SOFTCAP, BLOCK_N,
-                DOT_PRECISION, WHILE_LOOPS,
+                softcap_log2, K_DESC, V_DESC, tma_row0, tma_last, k_col0, v_col0, gsel, KG, key_end, 1,
+                SOFTCAP, BLOCK_N, DOT_PRECISION, WHILE_LOOPS, GROUPS, CLAMP,
             )  # fmt: skip
             acc, m_i, l_i = _walk_tma(
                 acc, m_i, l_i, q, full_start, full_end, full_start, full_end, lo, hi, offs_n, qk_scale,
-                softcap_log2, K_DESC, V_DESC, tma_row0, tma_last, k_col0, v_col0, 0, SOFTCAP, BLOCK_N,
-                DOT_PRECISION, WHILE_LOOPS,
+                softcap_log2, K_DESC, V_DESC, tma_row0, tma_last, k_col0, v_col0, gsel, KG, key_end, 0,
+                SOFTCAP, BLOCK_N, DOT_PRECISION, WHILE_LOOPS, GROUPS, CLAMP,
             )  # fmt: skip
             acc, m_i, l_i = _walk_tma(
                 acc, m_i, l_i, q, full_end, kv_end, full_start, full_end, lo, hi, offs_n, qk_scale,
-                softcap_log2, K_DESC, V_DESC, tma_row0, tma_last, k_col0, v_col0, 1, SOFTCAP, BLOCK_N,
-                DOT_PRECISION, WHILE_LOOPS,
+                softcap_log2, K_DESC, V_DESC, tma_row0, tma_last, k_col0, v_col0, gsel, KG, key_end, 1,
+                SOFTCAP, BLOCK_N, DOT_PRECISION, WHILE_LOOPS, GROUPS, CLAMP,
             )  # fmt: skip
     elif ONE_LOOP:
         # One pipelined loop, each tile masked or not at run time: fewer pipeline fills when
         # a tile's key range is only a few tiles long (sliding windows).
         acc, m_i, l_i = _walk(
-            acc, m_i, l_i, q, K, V, kv_start, kv_end, kv_end, full_start, full_end, k_row0, BT,
-            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, 2, SOFTCAP,
-            HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
+            acc, m_i, l_i, q, K, V, kv_start, kv_end, key_end, full_start, full_end, k_row0, BT,
+            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
+            2, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, GROUPS, CLAMP,
         )  # fmt: skip
     else:
         # PARTIAL tiles before the FULL range (sliding windows, non-causal rows, span starts).
         acc, m_i, l_i = _walk(
-            acc, m_i, l_i, q, K, V, kv_start, full_start, kv_end, full_start, full_end, k_row0, BT,
-            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, 1, SOFTCAP,
-            HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
+            acc, m_i, l_i, q, K, V, kv_start, full_start, key_end, full_start, full_end, k_row0, BT,
+            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
+            1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, GROUPS, CLAMP,
         )  # fmt: skip
         # FULL tiles: every (row, key) pair allowed and in bounds.
         acc, m_i, l_i = _walk(
-            acc, m_i, l_i, q, K, V, full_start, full_end, kv_end, full_start, full_end, k_row0, BT,
-            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, 0, SOFTCAP,
-            HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
+            acc, m_i, l_i, q, K, V, full_start, full_end, key_end, full_start, full_end, k_row0, BT,
+            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
+            0, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, GROUPS, CLAMP,
         )  # fmt: skip
         # PARTIAL tiles after it (the causal diagonal, span ends, chunk ends).
         acc, m_i, l_i = _walk(
-            acc, m_i, l_i, q, K, V, full_end, kv_end, kv_end, full_start, full_end, k_row0, BT,
-            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, 1, SOFTCAP,
-            HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
+            acc, m_i, l_i, q, K, V, full_end, kv_end, key_end, full_start, full_end, k_row0, BT,
+            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
+            1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, GROUPS, CLAMP,
         )  # fmt: skip
+
+    if GROUPS:
+        # Keys of the rows' groups outside [kv_start, kv_end): each group's tile runs
+        # (groups.tile_runs) minus the tiles walked above, every tile read once per group and
+        # masked to that group's rows, so a tile holding keys of two groups counts each pair once.
+        main_end = kv_start + tl.cdiv(kv_end - kv_start, BLOCK_N) * BLOCK_N
+        g = tl.min(tl.where(gq >= 0, gq, 2147483647))
+        g_last = tl.max(gq)
+        while g <= g_last:
+            if tl.max((gq == g).to(tl.int32)) > 0:
+                gsel = tl.where(gq == g, gq, -2)
+                r = tl.load(GROUP_RUNS + 2 * g)
+                r_end = tl.load(GROUP_RUNS + 2 * g + 1)
+                while r < r_end:
+                    a = tl.load(RUNS + 2 * r)
+                    b = tl.load(RUNS + 2 * r + 1)
+                    if not CLAMP:  # group keys before the walk above (clamp: none below lo)
+                        acc, m_i, l_i = _group_piece(
+                            acc, m_i, l_i, q, K, V, K_DESC, V_DESC, a, tl.minimum(b, kv_start), b,
+                            k_row0, kv_len, kv_head, dv_part, BT, lo, hi, stride_kt, stride_vt, offs_n,
+                            offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG, SOFTCAP, HEAD_DIM, D,
+                            BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, DV_SPLIT, TMA, CLAMP,
+                        )  # fmt: skip
+                    acc, m_i, l_i = _group_piece(
+                        acc, m_i, l_i, q, K, V, K_DESC, V_DESC, tl.maximum(a, main_end), b, b, k_row0,
+                        kv_len, kv_head, dv_part, BT, lo, hi, stride_kt, stride_vt, offs_n, offs_d,
+                        offs_dv, qk_scale, softcap_log2, gsel, KG, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED,
+                        PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, DV_SPLIT, TMA, CLAMP,
+                    )  # fmt: skip
+                    r += 1
+            g += 1
 
     # Every row allows k = q, so l_i > 0 for stored rows.
     acc = acc / l_i[:, None]

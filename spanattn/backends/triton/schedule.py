@@ -18,7 +18,8 @@ class TileSchedule:
     first and last query rows (packed), its sequence's first key row and length, the sequence,
     and its key walk for ``block_n``-key tiles: ``[kv_start, kv_end)`` with the FULL tiles in
     ``[full_start, full_end)`` (DESIGN.md section 1; the bounds are multiples of ``block_n``
-    except ``kv_end``). ``tile_cost``: keys each tile walks (``max hi - min lo + 1``)."""
+    except ``kv_end``). ``tile_cost``: keys each tile walks (``max hi - min lo + 1``, widened to
+    the keys of its rows' span groups)."""
 
     block_m: int
     block_n: int
@@ -73,6 +74,14 @@ def build_schedule(plan, block_m: int, block_n: int, lpt: bool = True) -> TileSc
     info, cost = tile_columns(
         q_row0, q_row_last, cu_k, tile_seq, lo_min, lo_max, hi_min, hi_max, block_n
     )  # fmt: skip
+    g = plan.groups
+    if g is not None:  # span groups: the cost spans the rows' groups' keys as well
+        ext = g.extents.long()[g.q_group.long().clamp_min(0)] - cu_k[token_seq][:, None]
+        grouped = g.q_group >= 0
+        first = reduce(torch.where(grouped, ext[:, 0], 2**31 - 1), "amin", 2**31 - 1)
+        last = reduce(torch.where(grouped, ext[:, 1], -1), "amax", -1)
+        low = lo_min if g.clamp else torch.minimum(lo_min, first)
+        cost = (torch.maximum(hi_max, last) - low + 1).to(torch.int32)
     return ordered(block_m, block_n, info, cost, lpt)
 
 

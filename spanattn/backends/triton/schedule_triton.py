@@ -16,8 +16,9 @@ from .schedule import TileSchedule, build_device_schedule, build_schedule, order
 
 @triton.jit(do_not_specialize=["num_tiles"])  # changes every step: never a reason to recompile
 def _tile_info_kernel(
-    starts_ptr, num_tiles, lo_ptr, hi_ptr, cu_q_ptr, cu_k_ptr, info_ptr, cost_ptr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_INFO: tl.constexpr,
+    starts_ptr, num_tiles, lo_ptr, hi_ptr, cu_q_ptr, cu_k_ptr, info_ptr, cost_ptr, q_group_ptr,
+    extent_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_INFO: tl.constexpr,
+    GROUPS: tl.constexpr, CLAMP: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     seq = tl.load(starts_ptr + t)
@@ -44,6 +45,14 @@ def _tile_info_kernel(
     tl.store(out + KV_END, kv_end)
     tl.store(out + FULL_START, full_start)
     tl.store(out + FULL_END, tl.maximum((hi_min + 1) // BLOCK_N * BLOCK_N, full_start))
+    if GROUPS:  # the cost spans the rows' groups' keys as well
+        gq = tl.load(q_group_ptr + rows, mask=valid, other=-1)
+        grouped = gq >= 0
+        last = tl.max(tl.load(extent_ptr + 2 * gq + 1, mask=grouped, other=-1) - tl.where(grouped, k_row0, 0))
+        hi_max = tl.maximum(hi_max, last)
+        if not CLAMP:
+            first = tl.load(extent_ptr + 2 * gq, mask=grouped, other=2147483647)
+            lo_min = tl.minimum(lo_min, tl.min(tl.where(grouped, first - k_row0, 2147483647)))
     tl.store(cost_ptr + t, hi_max - lo_min + 1)
 
 
@@ -54,9 +63,12 @@ def build_schedule_triton(plan, block_m: int, block_n: int, lpt: bool = True) ->
     starts = torch.stack([tile_seq, tile_qstart]).to(torch.int32).to(plan.device)
     info = torch.empty(total, len(INFO), dtype=torch.int32, device=plan.device)
     cost = torch.empty(total, dtype=torch.int32, device=plan.device)
+    g = plan.groups
     _tile_info_kernel[(total,)](
         starts, total, plan.lo, plan.hi, plan.cu_seqlens_q, plan.cu_seqlens_k, info, cost,
-        BLOCK_M=block_m, BLOCK_N=block_n, N_INFO=len(INFO),
+        plan.lo if g is None else g.q_group, plan.lo if g is None else g.extents,
+        BLOCK_M=block_m, BLOCK_N=block_n, N_INFO=len(INFO), GROUPS=g is not None,
+        CLAMP=g is not None and g.clamp,
     )  # fmt: skip
     return ordered(block_m, block_n, info, cost, lpt)
 
