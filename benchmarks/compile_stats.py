@@ -6,6 +6,7 @@ wins the timing.
 
     python benchmarks/compile_stats.py --d 128 --configs 128,64,4,2,1,1,1 128,128,8,3,0,1,1
     python benchmarks/compile_stats.py --d 128 --paged 128 --configs 128,64,4,2,1,1,0
+    python benchmarks/compile_stats.py --d 128 --groups on --configs 128,128,8,3,0,1,1  # span groups
     python benchmarks/compile_stats.py --d 256 --configs 128,64,8,2,1,1,1,1   # a Gluon kernel
     python benchmarks/compile_stats.py --d 512 --paged 16 --configs 64,32,8,2,0,1,1,1  # over pages
     python benchmarks/compile_stats.py --shipped   # every variant configs.pick(_gluon) hands out
@@ -62,7 +63,8 @@ def signature() -> dict[str, str]:
     return sig
 
 
-def stats(cfg: Config, d: int, paged: int = 0) -> dict:
+def stats(cfg: Config, d: int, paged: int = 0, groups: str = "") -> dict:
+    """``groups``: "" (no span groups), "on" or "clamp" (kernel.py's GROUPS and CLAMP)."""
     sig = signature()
     if cfg.tma and not paged:  # host descriptors of K and V
         sig["K_DESC"] = f"tensordesc<bf16[{cfg.block_n}, {d}]>"
@@ -72,6 +74,7 @@ def stats(cfg: Config, d: int, paged: int = 0) -> dict:
         "SOFTCAP": False, "RETURN_LSE": False, "PAGED": bool(paged), "PAGE_SIZE": paged or 1,
         "DOT_PRECISION": "tf32", "WHILE_LOOPS": False, "ONE_LOOP": cfg.one_loop,
         "DV_SPLIT": cfg.dv_split, "TMA": cfg.tma and not paged, "N_INFO": len(INFO),
+        "GROUPS": bool(groups), "CLAMP": groups == "clamp",
     }  # fmt: skip
     runtime = [i for i, t in enumerate(sig.values()) if t not in ("constexpr", "fp32") and "desc" not in t]
     attrs = {(i,): [["tt.divisibility", 16]] for i in runtime}
@@ -137,18 +140,25 @@ def _report(kernel) -> dict:
     }
 
 
-def shipped() -> list[tuple[int, Config, int]]:
-    """(head_dim, config, page size) of every kernel variant configs.pick and pick_gluon hand out
-    for bf16 on a Hopper GPU: each head_dim's Gluon kernel, its global and short-window configs on
-    packed K/V (TMA) and their pointer-load forms over 16-token pages."""
+def shipped() -> list[tuple[int, Config, int, str]]:
+    """(head_dim, config, page size, span groups) of every kernel variant configs.pick and
+    pick_gluon hand out for bf16 on a Hopper GPU: each head_dim's Gluon kernel, its global and
+    short-window configs on packed K/V (TMA) and their pointer-load forms over 16-token pages;
+    and kernel.py with span groups (which never go to the Gluon kernels) at d128 and d256,
+    global ("on") and short-window ("clamp") configs, packed."""
     out = []
     for d in (64, 128, 256, 512):
         if pick_gluon(d, torch.bfloat16):  # on packed K/V and reading 16-token pages
-            out += [(d, pick_gluon(d, torch.bfloat16), 0), (d, pick_gluon(d, torch.bfloat16), 16)]
+            out += [(d, pick_gluon(d, torch.bfloat16), 0, ""), (d, pick_gluon(d, torch.bfloat16), 16, "")]
         kinds = {pick(d, torch.bfloat16, False), pick(d, torch.bfloat16, False, window=1024)}
         for cfg in sorted(kinds, key=repr):
-            out.append((d, cfg, 0))
-            out.append((d, replace(cfg, tma=False), 16))
+            out.append((d, cfg, 0, ""))
+            out.append((d, replace(cfg, tma=False), 16, ""))
+    for d in (128, 256):
+        out += [
+            (d, pick(d, torch.bfloat16, False), 0, "on"),
+            (d, pick(d, torch.bfloat16, False, 1024), 0, "clamp"),
+        ]
     return out
 
 
@@ -156,21 +166,24 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d", type=int, default=128, help="head_dim")
     ap.add_argument("--paged", type=int, default=0, help="page size (0: packed K/V)")
+    ap.add_argument("--groups", choices=["", "on", "clamp"], default="", help="compile with span groups")
     fields = "BLOCK_M,BLOCK_N,warps,stages,one_loop,dv_split,tma,gluon"
     ap.add_argument("--configs", nargs="+", help=fields)
     ap.add_argument("--shipped", action="store_true", help="every shipped config, one JSON line each")
     a = ap.parse_args()
     if a.shipped:
-        for d, cfg, page in shipped():
-            r = gluon_stats(cfg, d, page) if cfg.gluon else stats(cfg, d, page)
-            print(json.dumps({"d": d, "config": asdict(cfg), "page": page, **r}), flush=True)
+        for d, cfg, page, groups in shipped():
+            r = gluon_stats(cfg, d, page) if cfg.gluon else stats(cfg, d, page, groups)
+            print(
+                json.dumps({"d": d, "config": asdict(cfg), "page": page, "groups": groups, **r}), flush=True
+            )
         return
     if not a.configs:
         ap.error("--configs or --shipped")
     for text in a.configs:
         v = [int(x) for x in text.split(",")]
         cfg = Config(*v[:4], *(bool(x) if i != 1 else x for i, x in enumerate(v[4:])))
-        r = gluon_stats(cfg, a.d, a.paged) if cfg.gluon else stats(cfg, a.d, a.paged)
+        r = gluon_stats(cfg, a.d, a.paged) if cfg.gluon else stats(cfg, a.d, a.paged, a.groups)
         flag = "  WGMMA SERIALIZED" if r["wgmma_serialized"] else ""
         flag += "  WGMMA WAIT INJECTED" if r["wgmma_wait_injected"] else ""
         kb = r["shared_bytes"] / 1024

@@ -40,6 +40,7 @@ def reports():
 def test_every_shipped_variant_compiles_for_hopper(reports):
     assert {r["d"] for r in reports} == {64, 128, 256, 512}
     assert any(r["config"]["gluon"] for r in reports) and any(r["page"] for r in reports)
+    assert {r["groups"] for r in reports} == {"", "on", "clamp"}
     for r in reports:
         assert r["shared_bytes"] <= SMEM_PER_BLOCK, r
         assert not r["wgmma_serialized"] and not r["wgmma_wait_injected"], r
