@@ -5,6 +5,7 @@ import random
 
 import torch
 
+import spanattn as sa
 from spanattn.bench.fuzz import MODELS_CPU, fuzz, random_case
 
 
@@ -24,6 +25,8 @@ def test_the_generator_covers_what_it_promises():
     seqs = [s for c in cases for s in c.batch.seqs]
     assert any(not s.causal for s in seqs) and any(s.q_len == 1 for s in seqs) and any(s.spans for s in seqs)
     assert any(s.ctx > 0 and s.q_len > 16 for s in seqs)  # chunks after a cached context
+    grouped = [sa.plan(c.batch, c.layer) for c in cases if any(s.groups for s in c.batch.seqs)]
+    assert sum(p.groups is not None for p in grouped) > 10  # span groups with two spans or more
     assert {c.layer.spans for c in cases} == {"on", "clamp", "off"}
     assert {c.page_size for c in cases} == {None, 16, 64}
     assert any(c.layer.window == 1 for c in cases) or any(

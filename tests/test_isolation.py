@@ -2,7 +2,8 @@
 never changes another sequence's output or LSE by a bit, and stale cache slots never matter.
 
 Steps mix a chunk with an image, a decode row, a non-causal canvas and fresh prompts with
-lengths that are no multiple of any tile, so key and query tiles would straddle sequences. On a
+lengths that are no multiple of any tile, so key and query tiles would straddle sequences; the
+"groups" layer runs the same steps with each sequence's images as two spans of one group. On a
 GPU the shapes grow past 128-row tiles and every kernel variant is run: Gluon at head_dim
 128/256/512, the split-KV decode kernel, paged in place and by copy, FA4's built-in and sparse
 paths, compiled FlexAttention. On CPU the Triton kernels run under the interpreter.
@@ -33,27 +34,30 @@ LAYERS = {
     "clamp": sa.LayerMask(window=16 if not CUDA else 200, spans="clamp"),
     "on": sa.LayerMask(spans="on"),
     "causal": sa.LayerMask(spans="off"),
+    "groups": sa.LayerMask(spans="on"),  # the same steps with their images in span groups
 }
 # (victim, poison): every poison, victims at both ends and in the middle
 CASES = [(2, "nan"), (0, "+inf"), (4, "-inf"), (3, "1e30"), (1, "nan")]
 
 
-def _mixed(big: bool, causal_only: bool = False) -> sa.Batch:
+def _mixed(big: bool, causal_only: bool = False, groups: bool = False) -> sa.Batch:
     m = 7 if big else 1
+    g = (lambda *spans: spans) if groups else (lambda *spans: [(spans[0][0], spans[-1][1])])
     return sa.Batch(
         [
-            sa.Seq(q_len=40 * m, kv_len=100 * m + 3, spans=[(30 * m, 89 * m)]),  # chunk with an image
+            sa.Seq(q_len=40 * m, kv_len=100 * m + 3, spans=g((30 * m, 59 * m, 0), (70 * m, 89 * m, 0))),
             sa.Seq(q_len=1, kv_len=77 * m),  # decode row
             sa.Seq(q_len=24 * m, kv_len=50 * m + 1, causal=causal_only),  # canvas
-            sa.Seq(q_len=33 * m, spans=[(5, 20 * m)]),  # fresh prompt
-            sa.Seq(q_len=7 * m, kv_len=61 * m, spans=[(50 * m, 60 * m)]),
+            sa.Seq(q_len=33 * m, spans=g((5, 12 * m, 0), (14 * m, 20 * m, 0))),  # fresh prompt
+            sa.Seq(q_len=7 * m, kv_len=61 * m, spans=g((50 * m, 54 * m, 0), (57 * m, 60 * m, 0))),
         ]
-    )
+    )  # each sequence's images: one span, or two spans of one group
 
 
-def _decode() -> sa.Batch:
+def _decode(groups: bool = False) -> sa.Batch:
+    g = (lambda *spans: spans) if groups else (lambda *spans: [(spans[0][0], spans[-1][1])])
     return sa.Batch(
-        [sa.Seq(q_len=1, kv_len=97), sa.Seq(q_len=4, kv_len=64, spans=[(40, 62)]),
+        [sa.Seq(q_len=1, kv_len=97), sa.Seq(q_len=4, kv_len=64, spans=g((40, 50, 0), (55, 62, 0))),
          sa.Seq(q_len=1, kv_len=130), sa.Seq(q_len=3, kv_len=50, causal=False), sa.Seq(q_len=2, kv_len=33)]
     )  # fmt: skip
 
@@ -84,8 +88,12 @@ VARIANTS = _variants()
 
 @functools.cache
 def _inputs(step: str, layer: str, d: int, dtype):
-    batch = _decode() if step == "decode" else _mixed(CUDA, causal_only=layer == "causal")
+    groups = layer == "groups"
+    batch = (
+        _decode(groups) if step == "decode" else _mixed(CUDA, causal_only=layer == "causal", groups=groups)
+    )
     p = sa.plan(batch, LAYERS[layer], device=DEV)
+    assert (p.groups is not None) == groups
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(n, h, d, generator=g) for n, h in ((p.total_q, 4), (p.total_k, 2), (p.total_k, 2)))
     return p, *(t.to(dtype).to(DEV) for t in (q, k, v))

@@ -3,8 +3,10 @@ property checked on a sample: the generator behind the GPU fuzz run (benchmarks/
 its CPU-sized twin in the tests.
 
 A step draws 1-8 sequences (decode rows, speculative blocks, chunks with a cached context, fresh
-prompts, non-causal canvases), disjoint spans near tile edges that the chunk end never cuts, a
-window from 1 to past the longest sequence (or none), a span mode and a non-causal window rule;
+prompts, non-causal canvases), disjoint spans near tile edges that the chunk end never cuts
+(in some sequences the spans form span groups, which a chunk end may cut: the group is then
+capped at it, ``allow_split_spans``), a window from 1 to past the longest sequence (or none), a
+span mode and a non-causal window rule;
 then one of a few model shapes (head_dim, query/KV heads, dtype, softcap) so that kernels compile
 a bounded number of times, and packed or paged K/V (pages of 16 or 64, shuffled, NaN in every
 slot no sequence owns).
@@ -57,7 +59,8 @@ class Case:
         d, hq, hkv, dtype, cap = self.model
         layer = self.layer
         return {
-            "seqs": [[s.q_len, s.kv_len, list(map(list, s.spans)), s.causal] for s in self.batch.seqs],
+            "seqs": [[s.q_len, s.kv_len, [list(x) for x in s.grouped_spans()], s.causal]
+                     for s in self.batch.seqs],
             "window": layer.window, "spans": layer.spans, "noncausal_window": layer.noncausal_window,
             "head_dim": d, "hq": hq, "hkv": hkv, "dtype": str(dtype).split(".")[-1], "softcap": cap,
             "page_size": self.page_size,
@@ -75,6 +78,18 @@ def _spans(rng: random.Random, length: int) -> list[tuple[int, int]]:
     return spans
 
 
+def _frames(rng: random.Random, length: int) -> list[tuple[int, int, int | None]]:
+    """Frames of one length with a few text tokens between them (some past ``length``: later
+    chunks of the prompt), each in group 0 mostly, else group 1 or none."""
+    frame = rng.choice([1, 7, 16, 33, rng.randint(2, max(2, length // 3))])
+    gap = rng.choice([1, 4, 16, rng.randint(1, max(1, length // 4))])
+    spans, pos = [], rng.randint(0, min(40, length // 4))
+    while pos + frame <= length + 100 and len(spans) < 12:
+        spans.append((pos, pos + frame - 1, rng.choice([0, 0, 0, 1, None])))
+        pos += frame + gap
+    return spans
+
+
 def _seq(rng: random.Random, kv_len: int, short: bool) -> sa.Seq:
     if short:
         q_len = rng.randint(1, min(16, kv_len))
@@ -88,6 +103,9 @@ def _seq(rng: random.Random, kv_len: int, short: bool) -> sa.Seq:
         spans.append((s, min(e, kv_len - 1)) if s < kv_len and e >= kv_len and rng.random() < 0.8 else (s, e))
     spans = [(s, e) for s, e in spans if not (s < kv_len <= e)]
     prompt = max([kv_len] + [e + 1 for _, e in spans])
+    if rng.random() < 0.3:  # video frames or images in span groups (mostly one group)
+        spans = _frames(rng, prompt)
+        prompt = max([kv_len] + [e + 1 for _, e, _ in spans])
     return sa.Seq(q_len, kv_len, spans=spans, causal=rng.random() < 0.8, prompt_len=prompt)
 
 
@@ -103,7 +121,8 @@ def random_case(rng: random.Random, models, max_tokens: int) -> Case:
     longest = max(s.kv_len for s in seqs)
     window = rng.choice([None, rng.randint(1, 8), rng.randint(1, longest + 10), rng.choice([64, 128, 1024])])
     layer = sa.LayerMask(window, rng.choice(["on", "clamp", "off"]), rng.choice(["exclusive", "inclusive"]))
-    return Case(sa.Batch(seqs), layer, rng.choice(models), rng.choice([None, None, 16, 64]))
+    batch = sa.Batch(seqs, allow_split_spans=any(s.cut_span() for s in seqs))
+    return Case(batch, layer, rng.choice(models), rng.choice([None, None, 16, 64]))
 
 
 def inputs(case: Case, device, seed: int):
