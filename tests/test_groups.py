@@ -246,3 +246,42 @@ def test_tiles_of_other_frames_are_full_and_text_between_far_images_is_skipped()
         t.full_kv_indices[1, : t.full_kv_num_blocks[1]].tolist()
     )
     assert visited == {0, 1, 2, 18, 19, 20}
+
+
+@settings(max_examples=40, deadline=None)
+@given(types=st.lists(st.sampled_from([0, 0, 1, 2]), min_size=1, max_size=80))
+def test_one_block_token_types_are_molmo2s_mask(types):
+    """grouping="one_block": every vision token of a row sees every other (transformers' Molmo2
+    block ids ``where(types == 1, 0, -1)``), text stays causal; "per_run": each run alone."""
+    t = torch.tensor(types)
+    vision = t == 1
+    causal = torch.ones(len(types), len(types), dtype=torch.bool).tril()
+    for grouping, same in (
+        ("one_block", vision[:, None] & vision[None, :]),
+        (
+            "per_run",
+            vision[:, None] & vision[None, :] & (run_ids(vision)[:, None] == run_ids(vision)[None, :]),
+        ),
+    ):
+        spans = sa.spans_from_token_types(types, grouping=grouping)
+        p = sa.plan(sa.Batch([sa.Seq(len(types), spans=spans)]), sa.LayerMask())
+        assert torch.equal(p.to_dense(0), causal | same), grouping
+    with pytest.raises(ValueError, match="grouping"):
+        sa.spans_from_token_types(types, grouping="per_image")
+
+
+def run_ids(flags: torch.Tensor) -> torch.Tensor:
+    """A distinct id for each maximal run of True."""
+    starts = flags & ~torch.nn.functional.pad(flags, (1, 0))[:-1]
+    return torch.cumsum(starts.long(), 0)
+
+
+def test_placeholders_with_an_item_group():
+    """A video placeholder whose frames are is_embed runs, and an image in the same group."""
+    spans = sa.spans_from_placeholders(
+        [(3, 9, [1, 1, 1, 0, 0, 1, 1, 1, 0], "video", 0), (14, 2, None, "image", 0), (18, 2, None, "image")]
+    )
+    assert spans == [(3, 5, 0), (8, 10, 0), (14, 15, 0), (18, 19)]
+    m = sa.plan(sa.Batch([sa.Seq(21, spans=spans)]), sa.LayerMask()).to_dense(0)
+    assert m[3, 15] and m[14, 4] and m[18, 19]  # the group across items; the last image alone
+    assert not m[3, 18] and not m[15, 18] and not m[6, 8]  # nor into it; text between frames causal
