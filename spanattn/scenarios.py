@@ -69,6 +69,40 @@ def scenarios(scale: int = 1) -> dict[str, Scenario]:
     return {s.id: s for s in out}
 
 
+def video_frames(scale: int = 1, frames: int = 64, frame: int = 256, stamp: int = 16) -> tuple[list, int]:
+    """A video prompt: ``frames`` frames of ``frame`` tokens, each after ``stamp`` timestamp text
+    tokens, then a 64-token question; ``((start, end, 0) spans, tokens)``, lengths divided by
+    ``scale`` (at least 1 token each)."""
+    frame, stamp = max(1, frame // scale), max(1, stamp // scale)
+    spans = [(i * (frame + stamp) + stamp, (i + 1) * (frame + stamp) - 1, 0) for i in range(frames)]
+    return spans, frames * (frame + stamp) + max(1, 64 // scale)
+
+
+def video_scenarios(scale: int = 1) -> dict[str, Scenario]:
+    """Molmo2-style video steps (span groups: every frame sees every other, the timestamps stay
+    causal), d128: V1 a global layer (spans on), V2 the same under a 1024-token clamped window
+    (video-frame tokens see later frames, earlier ones only within the window). Each has a
+    ``-plain`` twin with the same frames as independent spans (no group): the step without
+    groups that V1/V2 are measured against per allowed pair. Kept apart from ``scenarios()``:
+    the Gluon kernels and FA4 do not run span groups."""
+    spans, n = video_frames(scale)
+    plain = [(s, e) for s, e, _ in spans]
+    w = max(1, 1024 // scale)
+    what = "64 frames x 256 + 16-token timestamps"
+    layers = {
+        "V1": (LayerMask(spans="on"), "global"),
+        "V2": (LayerMask(window=w, spans="clamp"), "W=1024 clamp"),
+    }
+    out = {}
+    for sid, (layer, kind) in layers.items():
+        out[sid] = Scenario(
+            sid, f"video {kind}: {what}, one span group", Batch([Seq(n, spans=spans)]), layer, (128,)
+        )
+        twin = f"video {kind}: the same frames as independent spans"
+        out[f"{sid}-plain"] = Scenario(f"{sid}-plain", twin, Batch([Seq(n, spans=plain)]), layer, (128,))
+    return out
+
+
 def check_step() -> tuple[Batch, dict[str, LayerMask]]:
     """The mixed step the GPU scripts hold every kernel to, with the layer kinds they check it
     under: a 700-query chunk with two images (one past a tile edge), a decode row, a span ending
@@ -115,3 +149,25 @@ def group_check_step(m: int = 1) -> tuple[Batch, dict[str, LayerMask]]:
         "W9_on": LayerMask(window=9 * m, spans="on"),
     }
     return batch, layers
+
+
+def group_decode_step(m: int = 1) -> Batch:
+    """A decode-shaped step (every q_len <= 16: triton's split-KV kernel) with rows inside span
+    groups (positions times ``m``): a block ending inside a video frame (the group cut at the
+    chunk end), a block at the video's end, a decode row after it, a block whose frame sees the
+    next frame, a canvas."""
+    f = [(5 * m, 20 * m, 0), (25 * m, 44 * m, 0), (49 * m, 60 * m, 0), (66 * m, 81 * m, 0)]
+    return Batch(
+        [
+            Seq(3, 45 * m, spans=f, prompt_len=90 * m),
+            Seq(4, 82 * m, spans=f),
+            Seq(1, 97 * m, spans=f),
+            Seq(
+                12,
+                40 * m,
+                spans=[(5 * m, 9 * m, 0), (40 * m - 12, 40 * m - 9, 0), (40 * m - 6, 40 * m - 1, 0)],
+            ),
+            Seq(2, 12 * m, spans=[(0, 3 * m, 0), (12 * m - 4, 12 * m - 1, 0)], causal=False),
+        ],
+        allow_split_spans=True,
+    )

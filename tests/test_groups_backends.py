@@ -20,7 +20,7 @@ from tolerance import assert_close_to_truth  # noqa: E402
 
 import spanattn as sa  # noqa: E402
 from spanattn.backends import flex  # noqa: E402
-from spanattn.scenarios import group_check_step  # noqa: E402
+from spanattn.scenarios import group_check_step, group_decode_step  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 LAYERS = list(group_check_step()[1])
@@ -142,17 +142,7 @@ def test_triton_decode(layer, paged):
     decode = _triton("decode")
     from spanattn.cache import to_paged
 
-    f = [(5, 20, 0), (25, 44, 0), (49, 60, 0), (66, 81, 0)]
-    batch = sa.Batch(
-        [
-            sa.Seq(3, 45, spans=f, prompt_len=90, causal=True),  # ends inside a frame: the group is cut
-            sa.Seq(4, 82, spans=f),  # the last frame's end
-            sa.Seq(1, 97, spans=f),  # text after the video
-            sa.Seq(12, 40, spans=[(5, 9, 0), (28, 31, 0), (34, 39, 0)]),  # a frame sees the next one
-            sa.Seq(2, 12, spans=[(0, 3, 0), (8, 11, 0)], causal=False),
-        ],
-        allow_split_spans=True,
-    )
+    batch = group_decode_step()
     plan = sa.plan(batch, group_check_step()[1][layer], DEV)
     q, k, v = inputs(plan, 4, 2, 32, torch.float16)
     assert decode.suited(plan, 2)

@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
 
 
-def _inputs(plan, d, dtype, device, seed):
+def inputs(plan, d, dtype, device, seed):
+    """Random packed ``q, k, v`` of a plan at the scenarios' head counts (HQ, HKV)."""
     g = torch.Generator(device=device).manual_seed(seed)
     shapes = ((plan.total_q, HQ), (plan.total_k, HKV), (plan.total_k, HKV))
     return [torch.randn(n, h, d, generator=g, device=device, dtype=dtype) for n, h in shapes]
@@ -59,7 +60,7 @@ def _inputs(plan, d, dtype, device, seed):
 def _check(item: Item, sc, d, dtype, device, scale) -> dict:
     """Run the item on fresh inputs of ``sc`` (already down-scaled) and hold it to the rule."""
     plan = sa.plan(sc.batch, sc.layer, device)
-    q, k, v = _inputs(plan, d, dtype, device, seed=1)
+    q, k, v = inputs(plan, d, dtype, device, seed=1)
     why = item.unavailable(sc, plan, q)
     if why is not None:
         return {"ok": None, "why": f"not checked: {why} at the check size"}
@@ -70,7 +71,9 @@ def _check(item: Item, sc, d, dtype, device, scale) -> dict:
     return {"ok": verdict.ok, "err": verdict.err, "bound": verdict.bound, "tokens": plan.total_q}
 
 
-def _run_item(item: Item, sc, small, d, plan, qkv, dtype, device, check: bool) -> dict:
+def run_item(item: Item, sc, small, d, plan, qkv, dtype, device, check: bool) -> dict:
+    """One row of the benchmark: ``item`` checked on ``small`` (the scenario scaled down) against
+    the fp64 rule, then timed on ``plan`` and ``qkv``, with its planning time."""
     scale = 1.0 / math.sqrt(d)
     why = item.unavailable(sc, plan, qkv[0])
     if why is not None:
@@ -118,7 +121,7 @@ def _recompile_probe(device, dtype) -> dict | None:
         before = int(counters["stats"]["unique_graphs"])
         batch = sa.Batch([sa.Seq(n, spans=even_spans(n, 8, 700))])
         plan = sa.plan(batch, sa.LayerMask(window=1024, spans="clamp"), device)
-        q, k, v = _inputs(plan, 128, dtype, device, seed=2)
+        q, k, v = inputs(plan, 128, dtype, device, seed=2)
         flex.forward(q, k, v, plan, scale=128**-0.5)
         new_graphs.append(int(counters["stats"]["unique_graphs"]) - before)
     return {"lengths": lengths, "new_graphs": new_graphs}
@@ -164,7 +167,7 @@ def main(args: argparse.Namespace) -> int:
     for sid, d in cases:
         sc = all_sc[sid]
         plan = sa.plan(sc.batch, sc.layer, device)
-        qkv = _inputs(plan, d, dtype, device, seed=0)
+        qkv = inputs(plan, d, dtype, device, seed=0)
         for item in chosen:
             n += 1
             base = {"scenario": sid, "what": sc.what, "d": d, "backend": item.name, "kind": item.kind}
@@ -173,7 +176,7 @@ def main(args: argparse.Namespace) -> int:
             try:
                 row = {
                     **base,
-                    **_run_item(item, sc, small_sc[sid], d, plan, qkv, dtype, device, not args.no_check),
+                    **run_item(item, sc, small_sc[sid], d, plan, qkv, dtype, device, not args.no_check),
                 }
             except Exception as e:  # one broken item must not stop the others
                 row = {**base, "status": "error", "reason": f"{type(e).__name__}: {str(e)[:300]}"}
