@@ -55,7 +55,7 @@ FAMILIES = {
     "diffusion_gemma": ("diffusion_gemma", "mm_token_type_ids", 2),
     "paligemma": ("paligemma", "token_type_ids", 1),
     "paligemma2": ("paligemma", "token_type_ids", 1),
-    "molmo2": ("molmo2", "mm_token_type_ids", 1),
+    "molmo2": ("molmo2", "mm_token_type_ids", 2),  # ONE block: the two images are a span group
     "pi0": ("pi0", None, 1),
 }
 CANVAS = 4  # DiffusionGemma's canvas length

@@ -2,12 +2,13 @@
 transformers' own eager attention in fp32: forward logits of a left-padded batch with images
 wider than the sliding window (relative error < 1e-5), greedy generate() tokens and per-step
 logits, chunked prefill equal to the unchunked forward; DiffusionGemma's encoder prefill, decoder
-canvas and generate(); PI0's actions; Molmo2 with several images refused."""
+canvas and generate(); PI0's actions; Molmo2's images and video frames as one span group."""
 
 from __future__ import annotations
 
 import copy
 import functools
+import os
 
 import pytest
 import torch
@@ -84,7 +85,7 @@ def test_generate(name):
         ("gemma4", 21),
         ("gemma4_unified", 21),
         ("paligemma2", 22),
-        ("molmo2", 21),
+        ("molmo2", 38),  # after its second image: a chunk holding an image must hold the group
     ],
 )
 def test_chunked_prefill(name, ctx):
@@ -169,8 +170,45 @@ def test_pi0_actions():
     assert rel(logits(ours, step), logits(eager, step)) < TOL
 
 
-def test_molmo2_several_images_refused():
-    _, ours = pair("molmo2")
-    ids = torch.tensor([[2, 11] + [hm.IMG] * 6 + [12, 13] + [hm.IMG] * 6 + [14]])
-    with pytest.raises(NotImplementedError, match="span groups"):
-        logits(ours, {"input_ids": ids, "mm_token_type_ids": (ids == hm.IMG).long()})
+MOLMO2_VIDEO = [2, 11] + sum(([30 + i, 31 + i] + [hm.IMG] * 4 for i in range(5)), []) + [12, 13]
+
+
+@pytest.mark.parametrize("padded, backend", [(False, "auto"), (True, "auto"), (True, "triton")])
+def test_molmo2_video_frames(padded, backend):
+    """Five 4-token frames with 2 timestamp tokens before each (Molmo2's video layout): every
+    frame token sees every frame, the timestamps stay causal; logits and greedy generate(), also
+    through the triton kernels (the interpreter on CPU: prefill, then split-KV decode steps)."""
+    eager, ours = pair("molmo2")
+    if backend == "triton":
+        pytest.importorskip("triton")
+        if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+            pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+        ours = sahf.enable(copy.deepcopy(eager), backend="triton")
+    rows = [MOLMO2_VIDEO] + ([[0] * 9 + MOLMO2_VIDEO[:-9]] if padded else [])
+    ids = torch.tensor(rows)
+    kw = {"input_ids": ids, "attention_mask": (ids != 0).long(), "mm_token_type_ids": (ids == hm.IMG).long()}
+    real = kw["attention_mask"].bool()
+    theirs = logits(eager, kw)
+    assert rel(logits(ours, kw)[real], theirs[real]) < TOL
+    # the comparison means something: with the first frame alone a block, transformers' logits move
+    first_frame = dict(kw, mm_token_type_ids=kw["mm_token_type_ids"] * (torch.arange(ids.shape[1]) < 10))
+    assert rel(logits(eager, first_frame)[real], theirs[real]) > 100 * TOL
+    opts = dict(
+        max_new_tokens=4, min_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
+    a, b = eager.generate(**kw, **opts), ours.generate(**kw, **opts)
+    assert torch.equal(a.sequences, b.sequences)
+    assert max(rel(y, x) for x, y in zip(a.logits, b.logits)) < TOL
+
+
+def test_molmo2_chunk_between_images_of_a_group():
+    """A prefill chunk that ends between the two images, given the whole prompt's token types:
+    its queries of the first image could not see the second, so spanattn raises naming the
+    group; with allow_split_spans=True it computes what transformers does (the group capped)."""
+    eager, ours = pair("molmo2")
+    kw = hm.row("molmo2", hm.inputs("molmo2", pixels=False), 0)
+    chunk = {"input_ids": kw["input_ids"][:, :21], "mm_token_type_ids": kw["mm_token_type_ids"]}
+    with pytest.raises(ValueError, match="span group 0.*allow_split_spans=True"):
+        logits(ours, chunk)
+    split = sahf.enable(copy.deepcopy(eager), allow_split_spans=True)
+    assert rel(logits(split, chunk), logits(eager, chunk)) < TOL

@@ -188,8 +188,6 @@ def layouts(draw, name: str):
         run = st.tuples(st.sampled_from(values), st.integers(1, 10))
         runs = [draw(st.lists(run, min_size=1, max_size=5)) for _ in range(batch)]
     rows = [[t for t, n in r for _ in range(n)] for r in runs]
-    if name == "molmo2":  # one image per row: several are span groups, refused (tested elsewhere)
-        rows = [r[: next((i for i in range(1, len(r)) if r[i - 1] == 1 and r[i] != 1), len(r))] for r in rows]
     length = max(map(len, rows))
     pads = [length - len(r) for r in rows]
     types = torch.tensor([[0] * p + r for p, r in zip(pads, rows)])

@@ -4,8 +4,8 @@
     model = Gemma3ForConditionalGeneration.from_pretrained(path, attn_implementation="spanattn")
     spanattn.hf.enable(model, backend="triton")   # or: a model already loaded; options
 
-Families: Gemma 3, Gemma 4, Gemma 4 unified, DiffusionGemma, PaliGemma (1 and 2), Molmo2 (one
-image per request until span groups land), PI0, and causal decoders that transformers lets run
+Families: Gemma 3, Gemma 4, Gemma 4 unified, DiffusionGemma, PaliGemma (1 and 2), Molmo2 (every
+image and video frame of a row one span group), PI0, and causal decoders that transformers lets run
 flash attention. Each layer kind's policy is read from the mask the model's own code builds
 (:mod:`spanattn.hf.mask_functions`), its spans from the block ids that code computes.
 
@@ -20,7 +20,7 @@ How it plugs in (transformers >= 5):
 Supported: forward passes, ``generate()`` with a DynamicCache or a StaticCache, transformers'
 compiled generation (torch.compile over a StaticCache: :mod:`spanattn.hf.static`), chunked
 prefill (token types of the whole prompt with each chunk), left padding (rows ``0..0 1..1``). Raised:
-right or inner padding, attention dropout, prepared 4D masks, span groups, masks spanattn has no
+right or inner padding, attention dropout, prepared 4D masks, masks spanattn has no
 policy for (named in the error).
 """
 

@@ -25,8 +25,11 @@ LayerMask(window=512, spans='clamp', noncausal_window='exclusive')
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
+
+import torch
 
 import spanattn as sa
 
@@ -132,6 +135,32 @@ def _rule(node: tuple) -> MaskRule | None:
         spans = "clamp" if inner.layer.spans == "on" else "off"
         return replace(inner, layer=sa.LayerMask(picked[0], spans))
     return None
+
+
+def block_spans(blocks, batch: int) -> dict[int, list[tuple[int, ...]]]:
+    """A rule's block ids read as spans, per batch row, from ONE device-to-host copy: every
+    maximal run of one block id (>= 0) is a span ``(start, end)``, inclusive; a block made of
+    several separate runs is a span group, its runs ``(start, end, block)`` (Molmo2 puts every
+    image and video-frame token of a row in block 0, the text between them outside any).
+
+    >>> import torch
+    >>> block_spans(torch.tensor([[-1, 0, 0, -1, 0, -1, 1, 1]]), 1)
+    {0: [(1, 2, 0), (4, 4, 0), (6, 7)]}
+    """
+    ids = blocks.long()
+    inside = ids >= 0
+    before = torch.nn.functional.pad(ids, (1, 0), value=-1)[:, :-1]
+    after = torch.nn.functional.pad(ids, (0, 1), value=-1)[:, 1:]
+    starts, ends = inside & (ids != before), inside & (ids != after)
+    # nonzero lists (row, position) row-major, so the k-th start and the k-th end make one run
+    runs = torch.cat([starts.nonzero(), ends.nonzero()[:, 1:], ids[starts][:, None]], 1).tolist()
+    count = Counter((row, block) for row, _, _, block in runs)
+    by_row = {}
+    for row, s, e, block in runs:
+        by_row.setdefault(row, []).append((s, e) if count[row, block] == 1 else (s, e, block))
+    if ids.shape[0] == 1 and batch > 1:  # one row of block ids for the whole batch
+        by_row = {row: by_row.get(0, []) for row in range(batch)}
+    return by_row
 
 
 def read_mask_function(fn) -> MaskRule:

@@ -22,34 +22,9 @@ import torch
 import spanattn as sa
 
 from .families import family_of
-from .mask_functions import MaskRule, is_bidirectional, read_mask_function
+from .mask_functions import MaskRule, block_spans, is_bidirectional, read_mask_function
 from .options import Options, options_of
 from .static import StaticStep
-
-
-def block_runs(blocks: torch.Tensor, batch: int) -> dict[int, list[tuple[int, int]]]:
-    """Inclusive ``(start, end)`` of every maximal run of one block id (>= 0) per batch row, from
-    ONE device-to-host copy. A block made of several separate runs is a span group, refused."""
-    ids = blocks.long()
-    inside = ids >= 0
-    before = torch.nn.functional.pad(ids, (1, 0), value=-1)[:, :-1]
-    after = torch.nn.functional.pad(ids, (0, 1), value=-1)[:, 1:]
-    starts, ends = inside & (ids != before), inside & (ids != after)
-    # nonzero lists (row, position) row-major, so the k-th start and the k-th end make one run
-    runs = torch.cat([starts.nonzero(), ends.nonzero()[:, 1:], ids[starts][:, None]], 1).tolist()
-    by_row, seen = {}, set()
-    for row, s, e, block in runs:
-        if (row, block) in seen:
-            raise NotImplementedError(
-                f"spanattn.hf: batch row {row} has one bidirectional block made of several separate runs "
-                f"(block {block}; e.g. Molmo2 with more than one image): span groups are not supported yet. "
-                "Run one image per request"
-            )
-        seen.add((row, block))
-        by_row.setdefault(row, []).append((s, e))
-    if ids.shape[0] == 1 and batch > 1:  # one row of block ids for the whole batch
-        by_row = {row: by_row.get(0, []) for row in range(batch)}
-    return by_row
 
 
 class StepMask:
@@ -119,12 +94,13 @@ class StepMask:
                 self._pads = (end - pad.sum(1)).tolist()
         return self._pads
 
-    def spans(self, row: int) -> list[tuple[int, int]]:
-        """Absolute inclusive spans of batch row ``row`` (all rows computed at the first call)."""
+    def spans(self, row: int) -> list[tuple[int, ...]]:
+        """Absolute inclusive spans of batch row ``row``, ``(start, end, group)`` for the runs of a
+        block made of several (span groups), all rows computed at the first call."""
         if self.rule.blocks is None or self.rule.layer.spans == "off":
             return []
         if self._spans is None:
-            self._spans = block_runs(self.rule.blocks, self.shape[0])
+            self._spans = block_spans(self.rule.blocks, self.shape[0])
         return self._spans.get(row, [])
 
     def plan(self, sq: int, sk: int, device):
@@ -157,20 +133,23 @@ class StepMask:
             q0 = max(0, base - first_query)
             if q0 >= sq:
                 continue  # only padding queries in this row: their output is zero
-            spans = []
-            for s, e in self.spans(row):
-                if e < base:
-                    continue
-                if layer.spans == "on" and max(s, pads) < base and e >= first_query + q0:
+            spans, row_spans = [], self.spans(row)
+            reach = {}  # the last position of each span group: its first span's queries are there too
+            for _, e, *group in row_spans:
+                if group:
+                    reach[group[0]] = max(e, reach.get(group[0], e))
+            for s, e, *group in row_spans:
+                last = reach[group[0]] if group else e  # the last query that sees this span's keys
+                if layer.spans == "on" and max(s, pads) < base and last >= first_query + q0:
                     raise NotImplementedError(
                         f"spanattn.hf: the cache dropped keys {max(s, pads)}..{base - 1} of the image at "
                         f"{s}..{e} that queries of this step attend to (a sliding layer whose images ignore "
                         "the window); prefill the whole image in one step"
                     )
-                # Keys before `base` are padding or outside every query's window (clamp): clip.
-                spans.append((max(s, base) - base, e - base))
+                if e >= base:  # keys before `base` are padding or outside every query's window: clip
+                    spans.append((max(s, base) - base, e - base, *group))
             kv_len = end - base
-            prompt_len = max([kv_len] + [e + 1 for _, e in spans])
+            prompt_len = max([kv_len] + [sp[1] + 1 for sp in spans])
             seqs.append(
                 sa.Seq(
                     q_len=sq - q0, kv_len=kv_len, spans=spans, causal=self.rule.causal, prompt_len=prompt_len
