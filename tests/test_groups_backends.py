@@ -54,7 +54,7 @@ def test_flex_compiled_aligned_tables(layer):
     batch, layers_ = group_check_step(4)
     plan = sa.plan(batch, layers_[layer])
     assert flex.aligned_layout(plan, flex.BLOCK_M, flex.BLOCK_N).copies
-    step = torch.compile(flex._flex_step, dynamic=True)
+    step = torch.compile(flex._flex_group_step, dynamic=True)
     q, k, v = inputs(plan, 4, 2, 32, torch.float32)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -91,12 +91,24 @@ def mask_mod(alo, ahi, q_group=None, k_group=None, clamp: bool = False):
     return grouped
 
 
-def _flex_step(
-    q, k, v, alo, ahi, kv_num, kv_idx, full_num, full_idx, scale, softcap, return_lse,
-    q_group=None, k_group=None, clamp=False,
-):  # fmt: skip
-    """q ``[1, Hq, total_q, D]``, k/v ``[1, Hkv, total_k, D]``; tables ``[num_q_blocks(, n)]``;
-    span groups' ids ``q_group [total_q]``, ``k_group [total_k]`` or None."""
+def _flex_step(q, k, v, alo, ahi, kv_num, kv_idx, full_num, full_idx, scale, softcap, return_lse):
+    """q ``[1, Hq, total_q, D]``, k/v ``[1, Hkv, total_k, D]``; tables ``[num_q_blocks(, n)]``."""
+    mask = mask_mod(alo, ahi)
+    return _attend(q, k, v, mask, kv_num, kv_idx, full_num, full_idx, scale, softcap, return_lse)
+
+
+def _flex_group_step(
+    q, k, v, alo, ahi, kv_num, kv_idx, full_num, full_idx, scale, softcap, return_lse, q_group, k_group, clamp
+):
+    """``_flex_step`` with span groups' ids ``q_group [total_q]``, ``k_group [total_k]``: a
+    function of its own, so that torch.compile keeps its graphs apart from the group-free
+    step's (dynamo caches compiled frames per code object): a plan without groups runs exactly
+    the graph it ran before groups existed."""
+    mask = mask_mod(alo, ahi, q_group, k_group, clamp)
+    return _attend(q, k, v, mask, kv_num, kv_idx, full_num, full_idx, scale, softcap, return_lse)
+
+
+def _attend(q, k, v, mask, kv_num, kv_idx, full_num, full_idx, scale, softcap, return_lse):
     from torch.nn.attention import flex_attention as fa
 
     score_mod = None
@@ -111,7 +123,7 @@ def _flex_step(
         full_num[None, None],
         full_idx[None, None],
         BLOCK_SIZE=(BLOCK_M, BLOCK_N),
-        mask_mod=mask_mod(alo, ahi, q_group, k_group, clamp),
+        mask_mod=mask,
         seq_lengths=(q.shape[2], k.shape[2]),
         **_from_kv_blocks_extra(),
     )
@@ -130,9 +142,9 @@ DYNAMIC = os.environ.get("SPANATTN_FLEX_DYNAMIC", "1") != "0"
 
 
 @functools.cache
-def _compiled(return_lse):
-    """One compiled step per ``return_lse``."""
-    return torch.compile(_flex_step, dynamic=True if DYNAMIC else False)
+def _compiled(return_lse, groups: bool = False):
+    """One compiled step per ``return_lse``, and per whether the plan has span groups."""
+    return torch.compile(_flex_group_step if groups else _flex_step, dynamic=True if DYNAMIC else False)
 
 
 @functools.cache
@@ -163,7 +175,8 @@ def _call(step, q, k, v, lo, hi, t, scale, softcap, return_lse, groups=None):
 
 
 def aligned_step(step, q, k, v, plan, scale, softcap, return_lse):
-    """The packed step in the aligned layout through ``step`` (compiled ``_flex_step``)."""
+    """The packed step in the aligned layout through ``step`` (compiled ``_flex_step``, or
+    ``_flex_group_step`` for a plan with span groups)."""
     layout = aligned_layout(plan, BLOCK_M, BLOCK_N)
     out, lse = _call(
         step,
@@ -180,7 +193,8 @@ def aligned_step(step, q, k, v, plan, scale, softcap, return_lse):
 def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
     if q.is_cuda:
         cap = None if softcap is None else _softcap_tensor(float(softcap), q.device)
-        out, lse = aligned_step(_compiled(return_lse), q, k, v, plan, scale, cap, return_lse)
+        step = _compiled(return_lse, plan.groups is not None)
+        out, lse = aligned_step(step, q, k, v, plan, scale, cap, return_lse)
     else:
         # flex's eager math runs in the input dtype (bf16 scores and probabilities, ~8x the
         # reference's error), so it gets float32 inputs like the reference; it is the slow path.
@@ -191,7 +205,8 @@ def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
             groups = None if plan.groups is None else plan.groups.sequence(rows, keys)
             t = build_tile_tables(lo, hi, keys.stop - keys.start, BLOCK_M, BLOCK_N, groups)
             qi, ki, vi = (x.float() for x in (q[rows], k[keys], v[keys]))
-            parts.append(_call(_flex_step, qi, ki, vi, lo, hi, t, scale, softcap, return_lse, groups))
+            step = _flex_step if groups is None else _flex_group_step
+            parts.append(_call(step, qi, ki, vi, lo, hi, t, scale, softcap, return_lse, groups))
         out = torch.cat([o for o, _ in parts])
         lse = torch.cat([x for _, x in parts]) if return_lse else None
     out = out.to(q.dtype).contiguous()
