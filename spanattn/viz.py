@@ -1,8 +1,8 @@
 """Pictures of a Plan's mask: a PNG (``draw``) and a text drawing for small steps (``ascii``).
 
-Both read only the intervals ``lo/hi``, never a dense ``[q_len, kv_len]`` mask, so a 32k-token
-step is drawn as cheaply as a toy one: each pixel's colour is the exact fraction of its (query,
-key) pairs that are allowed, computed from the intervals.
+Both read only the intervals ``lo/hi`` (and span groups' ids), never a dense ``[q_len, kv_len]``
+mask, so a 32k-token step is drawn as cheaply as a toy one: each pixel's colour is the exact
+fraction of its (query, key) pairs that are allowed, computed from the intervals.
 """
 
 from __future__ import annotations
@@ -20,21 +20,29 @@ MAX_DRAWN_SEQS = 8
 CAUSAL, NONCAUSAL, SPAN = (0.18, 0.36, 0.68), (0.15, 0.58, 0.35), (0.93, 0.51, 0.10)
 
 
-def _rows(plan, i: int, layer=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lo, hi`` (int64, CPU) of sequence ``i``; with ``layer`` recomputed under that policy."""
-    r = plan.seq_slice(i)
-    if layer is None:
-        return plan.lo[r].cpu().long(), plan.hi[r].cpu().long()
-    other = make_plan(plan.batch, layer, "cpu")
-    return other.lo[r].long(), other.hi[r].long()
+def _rows(plan, i: int, layer=None):
+    """``lo, hi`` (int64, CPU) of sequence ``i`` and its span groups (rows and keys counted in
+    the sequence, CPU; None without groups); with ``layer`` recomputed under that policy."""
+    p = plan if layer is None else make_plan(plan.batch, layer, "cpu")
+    r = p.seq_slice(i)
+    groups = None
+    if p.groups is not None:
+        k0 = sum(s.kv_len for s in p.batch.seqs[:i])
+        cpu = dataclasses.replace(
+            p.groups, **{f: getattr(p.groups, f).cpu() for f in ("q_group", "k_group", "spans")}
+        )
+        groups = cpu.sequence(r, slice(k0, k0 + p.batch.seqs[i].kv_len))
+    return p.lo[r].cpu().long(), p.hi[r].cpu().long(), groups
 
 
-def coverage(lo, hi, kv_len: int, rows_per_px: int, keys_per_px: int) -> torch.Tensor:
-    """Fraction of allowed pairs in each ``rows_per_px x keys_per_px`` cell, from intervals only.
+def coverage(lo, hi, kv_len: int, rows_per_px: int, keys_per_px: int, groups=None) -> torch.Tensor:
+    """Fraction of allowed pairs in each ``rows_per_px x keys_per_px`` cell, from intervals only
+    (plus, for rows of a span group, the group's keys outside the interval: ``groups``).
 
     O(rows + cells): a row's interval fills the key cells strictly between its end cells
     completely (added as a difference along each cell row, then a cumsum) and its two end cells
-    partly (added directly). No ``[q_len, kv_len]`` array is ever built.
+    partly (added directly); a group's row counts its keys per cell by binary search, O(cells).
+    No ``[q_len, kv_len]`` array is ever built.
     """
     r, c = rows_per_px, keys_per_px
     n, n_cols = lo.numel(), -(-kv_len // c)
@@ -49,6 +57,18 @@ def coverage(lo, hi, kv_len: int, rows_per_px: int, keys_per_px: int) -> torch.T
     ends.index_add_(0, row + jl, torch.where(same, hi - lo + 1, (jl + 1) * c - lo))
     ends.index_add_(0, row + jh, torch.where(same, 0, hi - jh * c + 1))
     cnt = (full.view(n_rows, -1).cumsum(1) + ends.view(n_rows, -1))[:, :n_cols]
+    if groups is not None:
+        first = torch.arange(n_cols) * c
+        last = (first + c - 1).clamp_max(kv_len - 1)
+        for rows in (groups.q_group >= 0).nonzero().flatten().split(4096):  # bounded memory
+            shape = (len(rows), n_cols)
+            g, a, b = (
+                groups.q_group[rows].long()[:, None].expand(shape),
+                first.expand(shape),
+                last.expand(shape),
+            )
+            extra = groups.outside(g, lo[rows][:, None].expand(shape), hi[rows][:, None].expand(shape), a, b)
+            cnt.index_add_(0, rows // r, extra)
     rows_in = torch.full((n_rows,), r)
     rows_in[-1] = n - r * (n_rows - 1)
     keys_in = torch.full((n_cols,), c)
@@ -64,9 +84,10 @@ def _image(plan, i: int, max_pixels: int):
     seq = plan.batch.seqs[i]
     r = -(-seq.q_len // max_pixels)
     c = -(-seq.kv_len // max_pixels)
-    total = coverage(*_rows(plan, i), seq.kv_len, r, c)
+    lo, hi, groups = _rows(plan, i)
+    total = coverage(lo, hi, seq.kv_len, r, c, groups)
     base_layer = dataclasses.replace(plan.layer, spans="off")
-    base = coverage(*_rows(plan, i, base_layer), seq.kv_len, r, c)
+    base = coverage(*_rows(plan, i, base_layer)[:2], seq.kv_len, r, c)
     base_rgb = torch.tensor(CAUSAL if seq.causal else NONCAUSAL, dtype=torch.float64)
     span_rgb = torch.tensor(SPAN, dtype=torch.float64)
     # colour by what allowed the pairs: the window/causal rule or only the span
@@ -80,8 +101,8 @@ def _seq_title(plan, i: int, r: int, c: int, label: str | None) -> str:
     role = (
         "canvas" if not seq.causal else "decode row" if seq.q_len == 1 else "chunk" if seq.ctx else "prefill"
     )
-    rows = plan.seq_slice(i)
-    pairs = int((plan.hi[rows].long() - plan.lo[rows].long() + 1).sum())
+    lo, hi, groups = _rows(plan, i)
+    pairs = int((hi - lo + 1).sum()) + (0 if groups is None else groups.extra_pairs(lo, hi))
     head = (
         f"{label} (window={plan.layer.window}, spans={plan.layer.spans!r}): seq {i}" if label else f"seq {i}"
     )
@@ -197,7 +218,7 @@ def _render(panels, path, head: str, max_pixels: int, dpi: int) -> str:
     legend = [
         Patch(color=CAUSAL, label="allowed: causal (+window)"),
         Patch(color=NONCAUSAL, label="allowed: non-causal (+window)"),
-        Patch(color=SPAN, label="allowed only via image span"),
+        Patch(color=SPAN, label="allowed only via image span or span group"),
         Patch(fc="white", ec="gray", label="masked"),
         Line2D([], [], color="crimson", ls=":", label="window edge"),
         Line2D([], [], color="black", label="chunk boundary (ctx)"),
@@ -268,7 +289,7 @@ def ascii(plan, seq: int = 0, max_keys: int = ASCII_MAX_KEYS, max_rows: int = AS
             f"ascii() draws at most {max_rows} queries x {max_keys} keys; seq {seq} has "
             f"q_len {s.q_len} x kv_len {s.kv_len}: use spanattn.viz.draw() for a PNG"
         )
-    lo, hi = _rows(plan, seq)
+    dense = plan.to_dense(seq).cpu()  # a small step: its dense mask (intervals and span groups)
     letters = [" "] * s.kv_len
     for n, (a, e) in enumerate(s.spans):
         for k in range(a, min(e, s.kv_len - 1) + 1):
@@ -284,6 +305,6 @@ def ascii(plan, seq: int = 0, max_keys: int = ASCII_MAX_KEYS, max_rows: int = AS
     ]
     for i in range(s.q_len):
         q = s.ctx + i
-        row = "".join("#" if lo[i] <= k <= hi[i] else "." for k in range(s.kv_len))
+        row = "".join("#" if allowed else "." for allowed in dense[i].tolist())
         lines.append(f"{q:>{width - 1}}{letters[q]} {row}")
     return "\n".join(line.rstrip() for line in lines)

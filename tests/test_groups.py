@@ -285,3 +285,27 @@ def test_placeholders_with_an_item_group():
     m = sa.plan(sa.Batch([sa.Seq(21, spans=spans)]), sa.LayerMask()).to_dense(0)
     assert m[3, 15] and m[14, 4] and m[18, 19]  # the group across items; the last image alone
     assert not m[3, 18] and not m[15, 18] and not m[6, 8]  # nor into it; text between frames causal
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=grouped_batches(max_seqs=1, max_len=120), layer=layers(max_window=120))
+def test_pictures_count_group_pairs_exactly(batch, layer):
+    """viz's per-pixel allowed fractions (intervals plus group keys) equal the dense mask pooled
+    the same way; its text drawing is the dense mask."""
+    from spanattn import viz
+
+    p = sa.plan(batch, layer)
+    q, kv = batch.seqs[0].q_len, batch.seqs[0].kv_len
+    dense = p.to_dense(0).double()
+    lo, hi, groups = viz._rows(p, 0)
+    for r, c in ((1, 1), (2, 3), (7, 5)):
+        rows, cols = -(-q // r), -(-kv // c)
+        padded = torch.zeros(rows * r, cols * c, dtype=torch.float64)
+        padded[:q, :kv] = dense
+        n_r = torch.tensor([min(r, q - i * r) for i in range(rows)])
+        n_c = torch.tensor([min(c, kv - j * c) for j in range(cols)])
+        expect = padded.view(rows, r, cols, c).sum((1, 3)) / (n_r[:, None] * n_c[None]).double()
+        assert torch.equal(viz.coverage(lo, hi, kv, r, c, groups), expect)
+    if kv <= viz.ASCII_MAX_KEYS:
+        drawn = [line.split(" ")[-1] for line in viz.ascii(p).splitlines()[4:]]
+        assert drawn == ["".join("#" if x else "." for x in row) for row in p.to_dense(0).tolist()]
