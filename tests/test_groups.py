@@ -204,7 +204,7 @@ def test_reference_is_softmax_over_the_predicate_and_sdpa_holds_the_rule(layer):
     assert_close_to_truth(got, lse, q, k, v, p)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     batch=grouped_batches(),
     layer=layers(max_window=320),
