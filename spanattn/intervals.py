@@ -15,7 +15,6 @@ Both parts contain ``k = q`` so their union is one interval and no row is empty.
 from __future__ import annotations
 
 import importlib.util
-from collections import Counter
 
 import torch
 
@@ -28,19 +27,19 @@ def step_tensors(batch: Batch, device) -> dict[str, torch.Tensor]:
 
     Keys: q_len, kv_len, causal, cu_seqlens_q, cu_seqlens_k ([n + 1]), spans ([m, 3]: seq, s, e;
     only spans that start inside the chunk: later ones hold no query of this step). A step with
-    span groups also has span_group ([m]: the group's id in the step, -1 for none) and
-    num_groups (an int): a group counts only with two or more such spans (one acts as a span).
+    span groups (``Batch.has_span_groups``) also has span_group ([m]: the group's id in the
+    step or -1, ``Batch.span_rows``) and num_groups (an int).
     """
     seqs = batch.seqs
     cu_q, cu_k = [0], [0]
     for s in seqs:
         cu_q.append(cu_q[-1] + s.q_len)
         cu_k.append(cu_k[-1] + s.kv_len)
-    rows = [(i, a, b, g) for i, s in enumerate(seqs) for a, b, g in s.grouped_spans() if a < s.kv_len]
+    rows = batch.span_rows
     spans = [x for i, a, b, _ in rows for x in (i, a, b)]
     per_seq = ([s.q_len for s in seqs], [s.kv_len for s in seqs], [int(s.causal) for s in seqs])
     parts = (*per_seq, cu_q, cu_k, spans)
-    groups = _step_groups(rows)
+    groups = [g for *_, g in rows] if batch.has_span_groups else []
     if groups:
         parts += (groups,)
     # Every part starts on 16 bytes: kernels specialize on pointer alignment, so offsets that
@@ -53,15 +52,6 @@ def step_tensors(batch: Batch, device) -> dict[str, torch.Tensor]:
     if groups:
         step.update(span_group=views[6], num_groups=max(groups) + 1)
     return step
-
-
-def _step_groups(rows) -> list[int]:
-    """Step-wide group ids of span rows ``(seq, start, end, group)``, numbered in order of first
-    appearance; -1 for spans without a group or alone in theirs. Empty when no group counts."""
-    count = Counter((i, g) for i, _, _, g in rows if g is not None)
-    ids: dict = {}
-    out = [ids.setdefault((i, g), len(ids)) if count[i, g] > 1 else -1 for i, _, _, g in rows]
-    return out if ids else []
 
 
 def seq_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 SPAN_MODES = ("off", "on", "clamp")
 NONCAUSAL_WINDOWS = ("exclusive", "inclusive")
@@ -245,6 +247,26 @@ class Batch:
     @property
     def total_q(self) -> int:
         return sum(s.q_len for s in self.seqs)
+
+    @cached_property
+    def span_rows(self) -> tuple[tuple[int, int, int, int], ...]:
+        """``(seq, start, end, group)`` of every span that starts inside its chunk (later ones hold
+        no query or key of this step), in sequence then start order; ``group`` is the group's id
+        in the step, numbered in order of first appearance, or -1: a span without a group, or the
+        only one of its group in the step (it acts as a plain span)."""
+        rows = [
+            (i, a, b, g) for i, s in enumerate(self.seqs) for a, b, g in s.grouped_spans() if a < s.kv_len
+        ]
+        count = Counter((i, g) for i, _, _, g in rows if g is not None)
+        ids: dict = {}
+        return tuple(
+            (i, a, b, ids.setdefault((i, g), len(ids)) if count[i, g] > 1 else -1) for i, a, b, g in rows
+        )
+
+    @property
+    def has_span_groups(self) -> bool:
+        """Does a span group hold two or more spans of this step (then plans carry group ids)?"""
+        return any(g >= 0 for *_, g in self.span_rows)
 
     @property
     def total_k(self) -> int:

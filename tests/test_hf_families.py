@@ -212,3 +212,27 @@ def test_molmo2_chunk_between_images_of_a_group():
         logits(ours, chunk)
     split = sahf.enable(copy.deepcopy(eager), allow_split_spans=True)
     assert rel(logits(split, chunk), logits(eager, chunk)) < TOL
+
+
+def test_molmo2_compiled_generation():
+    """transformers' compiled generation (a StaticCache, the decode step compiled: it holds no
+    span group) after an eager prefill with two images: greedy tokens equal to eager."""
+    from test_hf_compiled import GREEDY, NEW, compiled_generate, layers, same_generation
+
+    eager, ours = pair("molmo2")
+    kw = hm.inputs("molmo2")
+    theirs = eager.generate(**kw, cache_implementation="static", **GREEDY)
+    out, calls, _, _ = compiled_generate(copy.deepcopy(ours), kw, compile_forward=False)
+    same_generation(theirs, out)
+    assert calls == layers(ours) * (NEW - 1)  # every decode step's layers ran spanattn in the graph
+
+
+def test_molmo2_groups_in_a_compiled_forward_refused_by_name(monkeypatch):
+    """Under torch.compile spanattn.hf plans on the device, which plans no span groups: a
+    compiled prefill with two images raises naming them (the eager one runs, above)."""
+    _, ours = pair("molmo2")
+    monkeypatch.setattr(sahf.attention, "is_compiling", lambda: True)
+    kw = hm.row("molmo2", hm.inputs("molmo2", pixels=False), 0)
+    cache = transformers.StaticCache(config=ours.config.get_text_config(), max_cache_len=64)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="span groups"):
+        ours(**kw, **{hm.cache_kwarg(ours): cache})

@@ -91,6 +91,12 @@ class StaticStep:
         batch, rows = mask.sequences(sq)
         if batch is None:
             return []
+        if batch.has_span_groups:
+            raise NotImplementedError(
+                "spanattn.hf: a step with span groups (e.g. Molmo2's images or video frames of one row) "
+                "runs in eager forwards and generate() (a compiled decode step holds no group); under "
+                "torch.compile spanattn plans on the device, which does not plan span groups"
+            )
         return [[r[0], s + r[2], e + r[2]] for seq, r in zip(batch.seqs, rows) for s, e in seq.spans]
 
     def last(self, n: int) -> StaticStep:
