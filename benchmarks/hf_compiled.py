@@ -1,6 +1,6 @@
 """transformers' generate() with a StaticCache, compiled and eager: spanattn vs SDPA.
 
-    python benchmarks/hf_compiled.py --out $OUT              # H200: 8k and 32k context, bf16
+    python benchmarks/hf_compiled.py --out results/           # H200: 8k and 32k context, bf16
     python benchmarks/hf_compiled.py --tiny --out /tmp/x     # CPU smoke run at toy sizes, fp32
 
 Stacks: Gemma 3 and Gemma 4 as benchmarks/hf_families.py builds them (their released text

@@ -1,6 +1,6 @@
 """Prefill with images, every transformers family spanattn.hf serves: spanattn vs SDPA and eager.
 
-    python benchmarks/hf_families.py --out $OUT              # H200: 8k and 32k tokens, bf16
+    python benchmarks/hf_families.py --out results/           # H200: 8k and 32k tokens, bf16
     python benchmarks/hf_families.py --tiny --out /tmp/x     # CPU smoke run at toy sizes, fp32
 
 Each family is its transformers model with its released text stack's layer sizes (head_dim,
