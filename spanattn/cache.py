@@ -114,6 +114,11 @@ def _slots(block_table, block_size: int, seq_id, pos) -> torch.Tensor:
 def slot_mapping(plan: Plan, block_table, block_size: int) -> torch.Tensor:
     """int64 ``[total_q]`` cache slots of this step's new tokens (the last ``q_len`` keys of each
     sequence), to pass to :func:`write_kv_cache` before attention."""
+    if not isinstance(plan, Plan):  # a DevicePlan's padding rows need their own (-1) slots
+        raise TypeError(
+            f"slot_mapping(plan=...) takes a spanattn.Plan, got {type(plan).__name__}; "
+            "a device plan has its own plan.slot_mapping(block_table, block_size)"
+        )
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if block_table.dim() != 2 or block_table.shape[0] != plan.num_seqs:

@@ -135,3 +135,10 @@ def test_the_block_table_is_checked_once_per_step_and_again_when_it_changes():
     bt[0, 0] = 99  # changed in place: a new version, checked again
     with pytest.raises(IndexError, match="sequence 0"):
         sa.attention(q, kc, kc, p, block_table=bt, backend="reference")
+
+
+def test_slot_mapping_names_the_device_plans_own():
+    from spanattn.cache import slot_mapping as host_slots
+
+    with pytest.raises(TypeError, match="device plan has its own plan.slot_mapping"):
+        host_slots(object(), torch.zeros(1, 1, dtype=torch.int32), 16)
