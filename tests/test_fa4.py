@@ -75,6 +75,9 @@ def test_kv_tile_follows_fa4_sm90_tiles():
     # FA4 rejects a sparse key block that is not a multiple of its own key tile
     assert [fa4._kv_tile(d) for d in (64, 128, 160, 192, 256)] == [128, 128, 112, 112, 80]
     assert fa4._kv_tile(256, windowed=True) == 64  # FA4's own local path at d256
+    # the built-in path: FA4's causal tiles, and its local ones with a window
+    assert [fa4._kv_tile(d, builtin=True) for d in (64, 128, 160, 192, 256)] == [128, 128, 112, 112, 80]
+    assert [fa4._kv_tile(d, True, builtin=True) for d in (128, 160, 256)] == [128, 96, 64]
     plan = sa.plan(sa.Batch([sa.Seq(300, spans=[(20, 150)])]), sa.LayerMask(spans="on"))
     t, (lo, width) = fa4.sparse_inputs(plan, 256)
     assert (t.BLOCK_M, t.BLOCK_N) == (128, 80) and lo.shape == width.shape == (512,)

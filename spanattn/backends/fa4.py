@@ -45,24 +45,16 @@ SM90 = (9, 0)
 EMPTY_LO = 2**31 - 1
 
 
-def _kv_tile(head_dim: int, windowed: bool = False) -> int:
-    """The key tile of the sparse path: FA4's SM90 choice for the head_dim (its sparse KV block
-    must be a multiple of the tile, and a smaller block shrinks the tile to match). At d256 a
-    sliding-window layer takes 64 like FA4's own local path: less of each window edge tile is
-    wasted."""
+def _kv_tile(head_dim: int, windowed: bool = False, builtin: bool = False) -> int:
+    """FA4's SM90 key tile for the head_dim (query and value head_dims equal). The sparse path
+    runs FA4 without its window (the block is ours: a multiple of the tile, and a smaller block
+    shrinks the tile to match), taking 64 at d256 on sliding layers like FA4's own local path
+    (less of each window edge tile wasted); the built-in path with a window takes FA4's local
+    tiles, 96 at d <= 192."""
     if head_dim <= 128:
         return 128
     if head_dim <= 192:
-        return 112
-    return 64 if windowed else 80
-
-
-def _builtin_kv_tile(head_dim: int, windowed: bool) -> int:
-    """The key tile of FA4's own causal/window kernel on SM90 (its tile table)."""
-    if head_dim <= 128:
-        return 128
-    if head_dim <= 192:
-        return 96 if windowed else 128
+        return 96 if windowed and builtin else 112
     return 64 if windowed else 80
 
 
@@ -213,7 +205,7 @@ def prepare(plan, head_dim: int) -> None:
 def _builtin_keys(plan, head_dim: int):
     """``(rows, cu_seqlens_k)`` of the built-in path's key layout: each sequence's keys from a
     key-tile boundary on, zeros up to the next (``rows.rows`` None when packed keys are that)."""
-    rows = padded_rows(plan, "k", _builtin_kv_tile(head_dim, plan.layer.window is not None))
+    rows = padded_rows(plan, "k", _kv_tile(head_dim, plan.layer.window is not None, builtin=True))
     if rows.rows is None:
         return rows, plan.cu_seqlens_k
     build = lambda: torch.cat([rows.starts, rows.starts.new_tensor([rows.num])]).to(torch.int32)
