@@ -3,10 +3,10 @@ multimodal spans and per-sequence causal flags in one batch."""
 
 from .api import attention
 from .device_plan import DevicePlan
+from .device_planner import DevicePlanner
 from .merge import merge_attention_states
 from .ops import write_kv_cache
 from .plan import Plan, plan
-from .plan_device import DevicePlanner
 from .spans import drop_wide_spans, max_chunk_end, spans_from_placeholders, spans_from_token_types
 from .spec import Batch, LayerMask, Seq
 

@@ -98,7 +98,7 @@ def _reads_pages(mod) -> bool:
 
 def _unavailable(name, mod, q, plan, opts: dict) -> str | None:
     if plan.capacity is not None:
-        from .plan_device import refusal
+        from .device_planner import refusal
 
         why = refusal(name)
         if why is not None:

@@ -1,4 +1,4 @@
-"""DevicePlan: a plan whose lengths live only on the device (plan_device.py builds it), read by
+"""DevicePlan: a plan whose lengths live only on the device (device_planner.py builds it), read by
 the backends through the same attributes as a host plan, with capacities where a host plan has
 exact lengths."""
 
@@ -64,7 +64,7 @@ class DevicePlan:
     facts: dict = field(default_factory=dict, repr=False)  # call facts that hold for every step
     _builders: dict = field(default_factory=dict, repr=False)
     batch = None  # no host-side batch: lengths are known on the device only
-    groups = None  # span groups are planned on the host only (plan_device.py refuses them)
+    groups = None  # span groups are planned on the host only (device_planner.py refuses them)
 
     def __post_init__(self):
         self._encode()

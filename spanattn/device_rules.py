@@ -1,4 +1,4 @@
-"""spec.py's rules, checked on the device for a device plan (plan_device.py): no host sync, so
+"""spec.py's rules, checked on the device for a device plan (device_planner.py): no host sync, so
 no exception either. A sequence that breaks a rule is recorded in an errors table and given
 ``kv_len`` 0, which intervals.py turns into the empty interval on its rows: its output is NaN,
 and every other sequence keeps its own rows, keys and offsets (packed offsets follow the

@@ -15,7 +15,7 @@ are runtime scalars, exempt from Triton's value specialization (``== 1``, ``% 16
 inputs sliced out of step_tensors' one buffer all start on 16 bytes (pointer alignment is
 specialized too). Only the layer's policy, ``PADDED`` and ``BLOCK`` pick a compiled kernel.
 
-``PADDED`` (device plans, plan_device.py): the counts are capacities, the step's real extent is
+``PADDED`` (device plans, device_planner.py): the counts are capacities, the step's real extent is
 read on the device (``cu_q[num_seqs]``), and rows past it or of a sequence with ``kv_len`` 0 get
 the empty interval ``(0, -1)``, as in ``intervals_torch``.
 """

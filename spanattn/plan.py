@@ -42,7 +42,7 @@ class Plan:
     seq_lens: torch.Tensor
     groups: SpanGroups | None = None
     _cache: dict = field(default_factory=dict, repr=False)
-    # Lengths here are exact and known on the host; a device plan (plan_device.py) has a
+    # Lengths here are exact and known on the host; a device plan (device_planner.py) has a
     # Capacity instead, and its lengths are bounds.
     capacity = None
 

@@ -1,4 +1,4 @@
-"""Device plans (plan_device.py): planning from per-sequence tensors into fixed-capacity buffers.
+"""Device plans (device_planner.py): planning from per-sequence tensors into fixed-capacity buffers.
 
 The host plan of the same step is the oracle: intervals, offsets and attention outputs must be
 equal exactly on the step's rows. Rules spec.py enforces on the host are checked on the device
