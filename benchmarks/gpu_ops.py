@@ -1,7 +1,7 @@
 """The torch ops, torch.compile and one-graph capture of a device-planned step, checked on one GPU
 in one call (CPU: a smoke run of the same code, tiny steps, graph checks skipped).
 
-    python benchmarks/gpu_ops.py --out DIR        # writes DIR/gpu-ops.json, ~2 minutes
+    python benchmarks/gpu_ops.py --out DIR        # writes DIR/<date>-ops-<gpu>.json, ~2 minutes
 
 opcheck: torch.library.opcheck of spanattn::attention / attention_lse (packed and paged, host
     and device plans, prefill and decode kernels) for triton, and fa4 when it imports, and of
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import spanattn as sa  # noqa: E402
 from spanattn import ops  # noqa: E402
-from spanattn.bench.report import environment  # noqa: E402
+from spanattn.bench.report import environment, result_path  # noqa: E402
 from spanattn.cache import slot_mapping  # noqa: E402
 from spanattn.oracle import Truth  # noqa: E402
 
@@ -323,8 +323,9 @@ def main():
     _record(report, "example", lambda: check_example(env, report))
     failed = [k for k, v in report.items() if isinstance(v, dict) and v.get("ok") is False]
     report["failed"] = failed
-    (out / "gpu-ops.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    print(f"wrote {out / 'gpu-ops.json'}; failed: {failed or 'none'}")
+    path = result_path(out, "ops", report)
+    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    print(f"wrote {path}; failed: {failed or 'none'}")
     return 1 if failed else 0
 
 

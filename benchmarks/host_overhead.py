@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import spanattn as sa  # noqa: E402
-from spanattn.bench.report import environment  # noqa: E402
+from spanattn.bench.report import environment, result_path  # noqa: E402
 
 HQ, HKV = 16, 8
 BACKENDS = ("triton", "fa4", "sdpa", "flex", "reference")
@@ -271,7 +271,7 @@ def write_png(path: Path, meta: dict, rows: list[dict]) -> bool:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="folder for host-overhead.json (and .png)")
+    ap.add_argument("--out", required=True, help="folder for <date>-host-overhead-<gpu>.json (and .png)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--calls", type=int, default=None, help="calls per round (default 50 on CUDA)")
     ap.add_argument("--profile", action="store_true", help="also cProfile each backend's Python path")
@@ -287,15 +287,14 @@ def main():
         meta["transformers"] = None
     meta["date"] = meta.get("date") or datetime.date.today().isoformat()
     rows, profiles = run(args)
-    (out / "host-overhead.json").write_text(
-        json.dumps({**meta, "rows": rows, "notes": __doc__}, indent=1) + "\n"
-    )
+    path = result_path(out, "host-overhead", meta)
+    path.write_text(json.dumps({**meta, "rows": rows, "notes": __doc__}, indent=1) + "\n")
     if profiles:
-        (out / "host-overhead-profiles.txt").write_text(
+        path.with_name(path.stem + "-profiles.txt").write_text(
             "\n".join(f"== {k}\n{v}" for k, v in profiles.items())
         )
-    drew = write_png(out / "host-overhead.png", meta, rows)
-    print(f"wrote {out / 'host-overhead.json'}" + (" and .png" if drew else ""))
+    drew = write_png(path.with_suffix(".png"), meta, rows)
+    print(f"wrote {path}" + (" and .png" if drew else ""))
 
 
 if __name__ == "__main__":

@@ -87,8 +87,9 @@ def test_device_plan_with_triton_compiles_once():
     """A device plan's tensors keep their shapes from step to step: one graph for every step."""
     pytest.importorskip("triton")
     torch._dynamo.reset()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     planner = sa.DevicePlanner({"l": LAYER}, max_seqs=4, max_tokens=64, max_kv_len=64, max_spans=4,
-                               max_kv_tokens=256)  # fmt: skip
+                               max_kv_tokens=256, device=dev)  # fmt: skip
     planner.prepare("triton", head_dim=16, dtype=torch.float16, group=4)
 
     def fn(q, k, v, plan):
@@ -97,8 +98,9 @@ def test_device_plan_with_triton_compiles_once():
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     for seed in range(3):
         plan, q, k, v, _ = random_step(seed)
+        plan, (q, k, v) = sa.plan(plan.batch, LAYER, device=dev), (x.to(dev) for x in (q, k, v))
         seqs = plan.batch.seqs
-        t = lambda x: torch.tensor(x, dtype=torch.int32)
+        t = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)
         spans = t([(i, a, b) for i, s in enumerate(seqs) for a, b in s.spans]).view(-1, 3)
         dplan = planner.update(t([s.q_len for s in seqs]), t([s.kv_len for s in seqs]),
                                t([s.causal for s in seqs]), spans)["l"]  # fmt: skip

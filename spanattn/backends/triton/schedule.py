@@ -129,8 +129,9 @@ def build_device_schedule(plan, block_m: int, block_n: int, lpt: bool = True, ou
     lo_min, lo_max = extreme(lo, "amin", 2**31 - 1), extreme(lo, "amax", -1)
     hi_min, hi_max = extreme(hi, "amin", 2**31 - 1), extreme(hi, "amax", -1)
     info, cost = tile_columns(q_row0, q_end - 1, cu_k, tile_seq, lo_min, lo_max, hi_min, hi_max, block_n)
-    empty = torch.zeros(len(INFO), dtype=torch.int32, device=dev)
-    empty[INFO.index("q_row0")] = 1
+    # The row from a one-hot compare, not an item store: storing a Python number into a device
+    # tensor is a host-to-device copy, which a CUDA graph capture refuses.
+    empty = (torch.arange(len(INFO), device=dev) == INFO.index("q_row0")).to(torch.int32)
     info = torch.where(live[:, None], info, empty)
     cost = torch.where(live, cost, 0)
     sched = ordered(block_m, block_n, info, cost, lpt)
