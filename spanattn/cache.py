@@ -66,16 +66,28 @@ def check_block_table(block_table, plan: Plan, num_blocks: int, block_size: int)
     It reads the table's values: on CUDA one host sync, so :func:`spanattn.attention` runs it
     once per step (per plan and table contents), never while a CUDA graph is being captured.
     """
-    need = torch.tensor([-(-s.kv_len // block_size) for s in plan.batch.seqs], device=block_table.device)
-    cols = torch.arange(block_table.shape[1], device=block_table.device)
-    bad = (cols[None, :] < need[:, None]) & ((block_table < 0) | (block_table >= num_blocks))
-    if bool(bad.any()):
+    read = plan.cached(
+        ("pages_read", block_table.shape[1], block_size), lambda: _pages_read(plan, block_table, block_size)
+    )
+    if read.numel() == 0:
+        return
+    ids = torch.where(read, block_table, 0)
+    # Two reductions and one transfer: the step's only sync on this path.
+    least, most = torch.stack(torch.aminmax(ids)).tolist()
+    if least < 0 or most >= num_blocks:
+        bad = read & ((block_table < 0) | (block_table >= num_blocks))
         r, c = (int(x) for x in bad.nonzero()[0])
         raise IndexError(
             f"block_table[{r}, {c}] = {int(block_table[r, c])}: sequence {r} (kv_len "
             f"{plan.batch.seqs[r].kv_len}) reads that block, but block ids must be in "
             f"[0, num_blocks={num_blocks})"
         )
+
+
+def _pages_read(plan: Plan, block_table, block_size: int) -> torch.Tensor:
+    """bool ``[num_seqs, columns]``: the entries each sequence reads (on the table's device)."""
+    need = (plan.seq_lens.to(block_table.device).long() + block_size - 1) // block_size
+    return torch.arange(block_table.shape[1], device=block_table.device) < need[:, None]
 
 
 def checked_once(block_table, plan: Plan, num_blocks: int, block_size: int) -> None:
