@@ -138,6 +138,22 @@ class DevicePlan:
         slots = block_table[seq, pos // block_size].long() * block_size + pos % block_size
         return torch.where(live, slots, -1)
 
+    def with_keys(self, cu_seqlens_k: torch.Tensor) -> DevicePlan:
+        """The same plan reading its keys at other offsets: capacity, tables and op encoding
+        shared, nothing re-encoded. Built while torch.compile traces, attribute by attribute:
+        dynamo on torch < 2.13 refuses ``copy.copy``."""
+        plan = object.__new__(DevicePlan)  # no __post_init__: its encoding reprs symbolic sizes
+        plan.layer, plan.capacity, plan.lo, plan.hi = self.layer, self.capacity, self.lo, self.hi
+        plan.cu_seqlens_q, plan.cu_seqlens_k, plan.seq_lens = self.cu_seqlens_q, cu_seqlens_k, self.seq_lens
+        plan.errors, plan.tables, plan.facts, plan._builders = (
+            self.errors,
+            self.tables,
+            self.facts,
+            self._builders,
+        )
+        plan.op_meta, plan.op_tables = self.op_meta, self.op_tables
+        return plan
+
     def host_layout(self) -> list[tuple[int, int, int, int, int]]:
         """``(i, q_start, q_end, k_start, kv_len)`` of every sequence with queries and keys, read
         to the host: a sync, refused while a CUDA graph is being captured."""

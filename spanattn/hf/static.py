@@ -20,7 +20,6 @@ rows with row stride ``D`` and head stride ``L * D``, in which row ``b`` starts 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 from dataclasses import dataclass, field
@@ -116,9 +115,7 @@ class StaticStep:
         """The plan for a layer whose key buffer has ``kv_heads`` heads (rows at ``b * Hkv * L``)."""
         n = self.plan.num_seqs
         cu_k = torch.arange(n + 1, dtype=torch.int32, device=self.plan.device) * (kv_heads * self.kv_length)
-        plan = copy.copy(self.plan)  # same capacity and tables: nothing re-encoded while traced
-        plan.cu_seqlens_k = cu_k
-        return plan
+        return self.plan.with_keys(cu_k)
 
 
 @functools.lru_cache(maxsize=64)
