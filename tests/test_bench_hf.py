@@ -1,5 +1,5 @@
-"""benchmarks/hf_families.py and hf_compiled.py end to end at toy sizes on CPU: every timed row
-checked against transformers' own attention, JSON (and PNG) written."""
+"""benchmarks/hf_families.py, hf_compiled.py and gpu_tensor_parallel.py end to end at toy sizes
+on CPU: every timed row checked against transformers' own attention, JSON (and PNG) written."""
 
 from __future__ import annotations
 
@@ -62,3 +62,19 @@ def test_hf_compiled_tiny(tmp_path, capsys):
     assert check["ok"] and check["fp32_tokens_equal"] and check["spanattn_compiled_tokens_equal_eager"]
     ours = [r for r in data["results"] if r["impl"] == "spanattn"]
     assert len(ours) == 1 and ours[0]["images"] >= 1 and "speedup_decode_compiled" in ours[0]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning", "ignore::UserWarning")
+def test_tensor_parallel_tiny(tmp_path, capsys):
+    """Gemma 3 on one process and on two (gloo): both attentions timed at each world size, and
+    spanattn's two-rank hidden states as close to its one-rank ones as SDPA's."""
+    pytest.importorskip("accelerate", reason="transformers' tp_plan needs accelerate")
+    script = load_script("gpu_tensor_parallel")
+    argv = ["--tiny", "--out", str(tmp_path), "--families", "gemma3", "--warmup", "0", "--repeats", "1"]
+    assert script.main(argv) == 0
+    assert "world 2" in capsys.readouterr().out
+    (path,) = tmp_path.glob("*-tensor-parallel-cpu.json")
+    data = json.loads(path.read_text())
+    assert data["exactness"]["Gemma 3"]["float32"]["ok"] and not data["failed"]
+    rows = {(r["ranks"], r["impl"]): r["status"] for r in data["results"]}
+    assert rows == {(w, i): "ok" for w in (1, 2) for i in ("sdpa", "spanattn")}
