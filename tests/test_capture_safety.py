@@ -1,0 +1,54 @@
+"""What a CUDA graph capture refuses, caught on CPU: a device-planned step (DevicePlanner.update,
+the slot mapping, the cache write and attention of two layer kinds on the triton kernels) may
+neither read a device value on the host (``aten._local_scalar_dense``: a sync) nor make a tensor
+from Python data (``aten.lift_fresh``: ``torch.tensor(...)`` or ``x[i] = 1``, a copy from pageable
+host memory). Both run fine eagerly, so on a GPU only the capture would fail; recording the ops
+the step dispatches tells on any machine. (The triton kernels run under TRITON_INTERPRET=1; the
+checks that read values on the host skip themselves while a capture runs.)"""
+
+import collections
+
+import pytest
+import torch
+from test_device_planner import DECODE, LAYER, MIXED, inputs, planner_for
+from test_paged import paged_step
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import spanattn as sa
+
+REFUSED = ("aten._local_scalar_dense", "aten.lift_fresh")
+
+
+class Record(TorchDispatchMode):
+    """Counts every aten op dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func).rsplit(".", 1)[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("batch, max_q_len", [(MIXED, None), (DECODE, 4)], ids=["prefill", "decode"])
+def test_a_device_planned_step_neither_syncs_nor_copies_from_the_host(batch, max_q_len):
+    pytest.importorskip("triton")
+    layers = {"sliding": LAYER, "global": sa.LayerMask(spans="on")}
+    _, q, k, v, k_cache, v_cache, bt = paged_step(batch, LAYER, 4, 2, 16, 16, torch.float16, width=5)
+    planner = planner_for(batch, layers, max_q_len=max_q_len, max_kv_len=80)
+    planner.prepare("triton", head_dim=16, dtype=torch.float16, group=2)
+    pad = lambda t, n: torch.cat([t, t.new_zeros(n - t.shape[0], *t.shape[1:])])
+    cap = planner.capacity
+    q, bt = pad(q, cap.max_tokens), pad(bt, cap.max_seqs)
+    k_new, v_new = (pad(x[: batch.total_q], cap.max_tokens) for x in (k, v))
+    step = inputs(batch)  # the engine's metadata, already on the device
+    planner.update(*step)  # as before a capture: the first step may allocate
+    with Record() as record:
+        plans = planner.update(*step)
+        for plan in plans.values():
+            # check_slots reads the slots (a sync): skipped by default while capturing
+            sa.write_kv_cache(k_new, v_new, k_cache, v_cache, plan.slot_mapping(bt, 16), check_slots=False)
+            sa.attention(q, k_cache, v_cache, plan, block_table=bt, backend="triton")
+    assert record.ops["aten.empty_strided"] + record.ops["aten.empty"] > 0  # it did record the step
+    assert {op: record.ops[op] for op in REFUSED} == dict.fromkeys(REFUSED, 0)
