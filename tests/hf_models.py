@@ -2,7 +2,8 @@
 left-padded two-row inputs with images wider than the sliding window (W=8, 16 tokens each).
 
 ``build(name)`` gives an fp32 eager model; ``inputs(name)`` a batch whose row 0 is unpadded and
-row 1 left-padded; ``row(name, kw, 0)`` row 0 alone. Families whose tower is cheap get pixel
+row 1 left-padded; ``row(name, kw, 0)`` row 0 alone; ``rel`` the error the tests bound; importing
+``one_thread`` runs a test module on one CPU thread. Families whose tower is cheap get pixel
 values; the others mark image tokens by their token types only (all the mask needs).
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import pytest
 import torch
 import transformers
 
@@ -60,6 +62,21 @@ FAMILIES = {
 }
 CANVAS = 4  # DiffusionGemma's canvas length
 PI0 = dict(chunk=5, state=6)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: with other jobs on the CPU, a second spinning thread costs 10-20x. Autouse
+    in every test module that imports it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def rel(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """Largest absolute difference over the reference's largest magnitude."""
+    return ((ours - theirs).abs().max() / theirs.abs().max()).item()
 
 
 def available(name: str) -> bool:

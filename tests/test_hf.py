@@ -16,16 +16,9 @@ import spanattn.hf as sahf
 
 transformers = pytest.importorskip("transformers")
 import hf_models as hm  # noqa: E402
+from hf_models import one_thread, rel  # noqa: E402, F401
 
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=["gemma3", "gemma4"])
@@ -33,10 +26,6 @@ def models(request):
     """(name, eager fp32, spanattn fp32)."""
     eager = hm.build(request.param)
     return request.param, eager, sahf.enable(copy.deepcopy(eager))
-
-
-def rel(ours, theirs) -> float:
-    return ((ours - theirs).abs().max() / theirs.abs().max()).item()
 
 
 def logits(model, kw):
@@ -216,14 +205,7 @@ def test_refused_by_name():
     with pytest.raises(NotImplementedError, match="PaliGemma model: text_config is a Gemma3TextConfig"):
         sahf.enable(transformers.PaliGemmaForConditionalGeneration(pali))
     git = transformers.GitConfig(
-        vision_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=16,
-            patch_size=4,
-        ),
+        vision_config={k: v for k, v in hm.SIGLIP.items() if k != "model_type"},
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=1,

@@ -17,6 +17,7 @@ import spanattn.hf as sahf
 
 transformers = pytest.importorskip("transformers")
 import hf_models as hm  # noqa: E402
+from hf_models import one_thread, rel  # noqa: E402, F401
 
 TOL = 1e-5
 LM = [name for name in ("gemma3", "gemma4", "gemma4_unified", "paligemma", "paligemma2", "molmo2")]
@@ -28,24 +29,11 @@ def family(name: str):
     return name
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: with other jobs on the CPU, a second spinning thread costs 10-20x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @functools.cache
 def pair(name: str):
     """(eager model, the same weights through spanattn) with the default backend ("auto")."""
     eager = hm.build(family(name))
     return eager, sahf.enable(copy.deepcopy(eager))
-
-
-def rel(ours: torch.Tensor, theirs: torch.Tensor) -> float:
-    return ((ours - theirs).abs().max() / theirs.abs().max()).item()
 
 
 def logits(model, kw):
