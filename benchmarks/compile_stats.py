@@ -83,7 +83,7 @@ def stats(cfg: Config, d: int, paged: int = 0, groups: str = "") -> dict:
     return _report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts))
 
 
-def gluon_stats(cfg: Config, d: int, page: int = 0) -> dict:
+def gluon_stats(cfg: Config, d: int, page: int = 0, groups: str = "") -> dict:
     import importlib
 
     from triton.experimental.gluon import language as gl
@@ -110,7 +110,7 @@ def gluon_stats(cfg: Config, d: int, page: int = 0) -> dict:
     const = {
         "HQ": 16, "GROUP": 2, "HEAD_DIM": d, "BLOCK_N": cfg.block_n, "STAGES": cfg.num_stages,
         "SOFTCAP": False, "RETURN_LSE": False, "N_INFO": len(INFO), "PAGE": page,
-        "CONSUMER_REGS": 240, "PRODUCER_REGS": 24,
+        "GROUPS": bool(groups), "CLAMP": groups == "clamp", "CONSUMER_REGS": 240, "PRODUCER_REGS": 24,
     }  # fmt: skip
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=const)
     return _report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}))
@@ -143,13 +143,14 @@ def _report(kernel) -> dict:
 def shipped() -> list[tuple[int, Config, int, str]]:
     """(head_dim, config, page size, span groups) of every kernel variant configs.pick and
     pick_gluon hand out for bf16 on a Hopper GPU: each head_dim's Gluon kernel, its global and
-    short-window configs on packed K/V (TMA) and their pointer-load forms over 16-token pages;
-    and kernel.py with span groups (which never go to the Gluon kernels) at d128 and d256,
-    global ("on") and short-window ("clamp") configs, packed."""
+    short-window configs on packed K/V (TMA) and their pointer-load forms over 16-token pages,
+    the Gluon kernels with span groups ("on": global, "clamp": short window); and kernel.py with
+    span groups (GPUs without the Gluon kernels) at d128 and d256, packed."""
     out = []
     for d in (64, 128, 256, 512):
-        if pick_gluon(d, torch.bfloat16):  # on packed K/V and reading 16-token pages
-            out += [(d, pick_gluon(d, torch.bfloat16), 0, ""), (d, pick_gluon(d, torch.bfloat16), 16, "")]
+        gcfg = pick_gluon(d, torch.bfloat16)
+        if gcfg:  # on packed K/V, reading 16-token pages, with span groups
+            out += [(d, gcfg, 0, ""), (d, gcfg, 16, ""), (d, gcfg, 0, "on"), (d, gcfg, 16, "clamp")]
         kinds = {pick(d, torch.bfloat16, False), pick(d, torch.bfloat16, False, window=1024)}
         for cfg in sorted(kinds, key=repr):
             out.append((d, cfg, 0, ""))
@@ -173,7 +174,7 @@ def main():
     a = ap.parse_args()
     if a.shipped:
         for d, cfg, page, groups in shipped():
-            r = gluon_stats(cfg, d, page) if cfg.gluon else stats(cfg, d, page, groups)
+            r = gluon_stats(cfg, d, page, groups) if cfg.gluon else stats(cfg, d, page, groups)
             print(
                 json.dumps({"d": d, "config": asdict(cfg), "page": page, "groups": groups, **r}), flush=True
             )
@@ -183,7 +184,7 @@ def main():
     for text in a.configs:
         v = [int(x) for x in text.split(",")]
         cfg = Config(*v[:4], *(bool(x) if i != 1 else x for i, x in enumerate(v[4:])))
-        r = gluon_stats(cfg, a.d, a.paged) if cfg.gluon else stats(cfg, a.d, a.paged, a.groups)
+        r = gluon_stats(cfg, a.d, a.paged, a.groups) if cfg.gluon else stats(cfg, a.d, a.paged, a.groups)
         flag = "  WGMMA SERIALIZED" if r["wgmma_serialized"] else ""
         flag += "  WGMMA WAIT INJECTED" if r["wgmma_wait_injected"] else ""
         kb = r["shared_bytes"] / 1024

@@ -84,7 +84,7 @@ def video_scenarios(scale: int = 1) -> dict[str, Scenario]:
     (video-frame tokens see later frames, earlier ones only within the window). Each has a
     ``-plain`` twin with the same frames as independent spans (no group): the step without
     groups that V1/V2 are measured against per allowed pair. Kept apart from ``scenarios()``:
-    the Gluon kernels and FA4 do not run span groups."""
+    FA4 does not run span groups."""
     spans, n = video_frames(scale)
     plain = [(s, e) for s, e, _ in spans]
     w = max(1, 1024 // scale)

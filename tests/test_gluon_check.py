@@ -14,12 +14,13 @@ def test_every_variant_passing_enables_the_module():
 
     def run(d, batch, layer, page, device):
         assert gluon_check.running("kernel_gluon")  # the check itself must reach the kernel
-        seen.append((d, layer.spans, page))
+        seen.append((d, layer.spans, page, any(s.groups for s in batch.seqs)))
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert gluon_check.self_check("kernel_gluon", "cpu", run=run)
-    assert {x[0] for x in seen} == {128, 256} and {x[2] for x in seen} == {None, 64} and len(seen) == 8
+    assert {x[0] for x in seen} == {128, 256} and {x[2] for x in seen} == {None, 64} and len(seen) == 16
+    assert {x[3] for x in seen} == {False, True}  # with and without span groups
     assert not gluon_check.running("kernel_gluon")
 
 

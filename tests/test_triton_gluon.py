@@ -9,6 +9,7 @@ import torch
 from tolerance import assert_close_to_truth
 
 import spanattn as sa
+from spanattn.scenarios import group_check_step
 
 pytest.importorskip("triton")
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -32,6 +33,12 @@ LAYERS = {
     "W37-clamp": sa.LayerMask(window=37, spans="clamp"),
     "W200-on-inclusive": sa.LayerMask(window=200, spans="on", noncausal_window="inclusive"),
 }
+
+# Span groups: group_check_step's frames, chunk, decode row and canvas at positions x16 (every
+# sequence at least 192 keys); its layers: global, a clamped window and a window narrower than
+# a frame with spans on (pre walks).
+_batch, GROUP_LAYERS = group_check_step(16)
+GROUPED = sa.Batch(_batch.seqs[:4])
 
 
 def test_chosen_only_for_hopper_tma_steps(monkeypatch):
@@ -179,9 +186,36 @@ def test_reads_a_paged_cache_in_place(d, page, layer):
     assert_close_to_truth(out.cpu(), lse.cpu(), q, k, v, sa.plan(LONG, layer), scale=d**-0.5)
 
 
+@hopper_only
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("page", [None, 64])
+@pytest.mark.parametrize("layer", list(GROUP_LAYERS))
+def test_span_groups(d, page, layer):
+    """Frames that see each other across text, a chunk whose group continues in the cache, two
+    groups in one sequence, a canvas: packed K/V and a paged cache holding NaN where no sequence
+    owns a slot (group_walk.py's pre and post walks read tiles at a sequence's end too)."""
+    from spanattn.backends import triton as tb
+    from spanattn.backends.triton.configs import pick_gluon
+    from spanattn.cache import to_paged
+
+    p = sa.plan(GROUPED, GROUP_LAYERS[layer], device="cuda")
+    assert p.groups is not None
+    q, k, v = (t.cuda() for t in _qkv(p, 8, 2, torch.bfloat16, seed=9, d=d))
+    assert tb.uses_gluon(q, k, v, p, pick_gluon(d, torch.bfloat16))
+    out = torch.full_like(q, float("nan"))
+    if page is None:
+        out, lse = tb.forward(q, k, v, p, scale=d**-0.5, return_lse=True, out=out)
+    else:
+        kc, vc, table = to_paged(k, v, p, page, fill=float("nan"))
+        assert tb.gluon_reads_pages(q, kc.flatten(0, 1), vc.flatten(0, 1), p, pick_gluon(d, q.dtype), page)
+        out, lse = tb.forward(q, kc, vc, p, scale=d**-0.5, return_lse=True, out=out, block_table=table)
+    assert_close_to_truth(out, lse, q, k, v, p, scale=d**-0.5)
+
+
 @pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize("paged", [False, True])
-def test_launch_binds_every_kernel_argument(d, paged):
+@pytest.mark.parametrize("grouped", [False, True], ids=["plain", "groups"])
+def test_launch_binds_every_kernel_argument(d, paged, grouped):
     """The host side of a launch, on any machine: the arguments it passes bind to the kernel's
     signature (none missing, none extra) and the grid has one program per tile and head."""
     import inspect
@@ -193,7 +227,10 @@ def test_launch_binds_every_kernel_argument(d, paged):
     cfg = pick_gluon(d, torch.bfloat16)
     module = _gluon_module(GLUON_KERNELS[(d, cfg.block_m)])
     kernel = next(v for k, v in vars(module).items() if k.startswith("attn_fwd_gluon"))
-    p = sa.plan(LONG, sa.LayerMask())
+    from spanattn.backends.triton import gluon_group_args
+
+    batch = GROUPED if grouped else LONG
+    p = sa.plan(batch, sa.LayerMask())
     q, k, v = _qkv(p, 8, 2, torch.bfloat16, d=d)
     calls = []
 
@@ -202,11 +239,17 @@ def test_launch_binds_every_kernel_argument(d, paged):
             return lambda *args, **kwargs: calls.append((grid, args, kwargs))
 
     sched = tile_schedule(p, cfg.block_m, cfg.block_n)
-    table = torch.zeros(len(LONG.seqs), 4, dtype=torch.int32) if paged else None
+    table = torch.zeros(len(batch.seqs), 4, dtype=torch.int32) if paged else None
     page = 256 if paged else 0
+    groups = gluon_group_args(p, sched)
+    assert (groups is not None) == grouped
     module.launch.func(Recorder(), *module.launch.args[1:], q, k, v, p, sched, q.clone(), None,
-                       0.1, 1.0, False, cfg.num_stages, block_table=table, page_size=page)  # fmt: skip
+                       0.1, 1.0, False, cfg.num_stages, block_table=table, page_size=page,
+                       groups=groups)  # fmt: skip
     ((grid, args, kwargs),) = calls
     assert grid == (sched.num_tiles * 8,) and kwargs.pop("num_warps") == 4  # a launch option
     bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
     assert bound.arguments["PAGE"] == page and bound.arguments["GROUP"] == 4
+    assert bound.arguments["GROUPS"] == grouped and not bound.arguments["CLAMP"]
+    if grouped:
+        assert bound.arguments["WALK_INFO"].shape == (sched.num_tiles, 4)

@@ -128,12 +128,9 @@ def gluon_reads_pages(q, k, v, plan, cfg: Config, page_size: int) -> bool:
 def gluon_runs_for(q, plan, cfg: Config) -> bool:
     """Everything ``uses_gluon`` asks but K/V's layout: a Gluon kernel built for head_dim and
     ``cfg.block_m``, q bf16/fp16 and TMA-readable, every sequence at least ``cfg.block_n`` keys
-    long (a tile never runs past its sequence's end), no span groups in the plan, and
-    ``gluon_runs_on`` the device."""
+    long (a tile never runs past its sequence's end), and ``gluon_runs_on`` the device."""
     name = GLUON_KERNELS.get((q.shape[-1], cfg.block_m))
     if not (cfg.gluon and cfg.tma and name and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
-        return False
-    if plan.groups is not None:  # span groups are lowered to kernel.py only (not to the Gluon kernels)
         return False
     if not gluon_runs_on(q.device, name) or plan.min_seqlen_k < cfg.block_n:
         return False
@@ -214,15 +211,10 @@ def prepare(plan, head_dim: int, dtype: torch.dtype = torch.bfloat16, group: int
         return
     gcfg = pick_gluon(head_dim, dtype)
     name = gcfg and GLUON_KERNELS.get((head_dim, gcfg.block_m))
-    if (
-        name
-        and gluon_runs_on(plan.device, name)
-        and plan.min_seqlen_k >= gcfg.block_n
-        and plan.groups is None
-    ):
-        cfg = gcfg
-    else:
-        cfg = pick(head_dim, dtype, kmod.INTERPRETED, plan.layer.window)
+    if name and gluon_runs_on(plan.device, name) and plan.min_seqlen_k >= gcfg.block_n:
+        gluon_group_args(plan, tile_schedule(plan, gcfg.block_m, gcfg.block_n))
+        return
+    cfg = pick(head_dim, dtype, kmod.INTERPRETED, plan.layer.window)
     tile_schedule(plan, cfg.block_m, cfg.block_n)
     group_args(plan, cfg.block_n)
 
@@ -320,6 +312,7 @@ def forward(
             _gluon_module(GLUON_KERNELS[(d, gcfg.block_m)]).launch(
                 q, k, v, plan, sched, out, lse, qk_scale, softcap_log2, bool(softcap), gcfg.num_stages,
                 block_table=block_table if gluon_pages else None, page_size=page_size or 0,
+                groups=gluon_group_args(plan, sched, lpt),
             )  # fmt: skip
             return out, lse
         if config is not None:
@@ -362,6 +355,20 @@ def group_args(plan, block_n: int) -> tuple:
         ("triton.group_runs", block_n), lambda: tile_runs(g, plan.cu_seqlens_k, block_n)
     )
     return g.q_group, g.k_group, index, runs
+
+
+def gluon_group_args(plan, sched, lpt: bool = True) -> tuple | None:
+    """The Gluon kernels' span group tensors (group_walk.py) for ``sched`` (the plan's schedule
+    for its tiles and ``lpt``), cached on the plan: query groups, key groups, key tile groups and
+    the schedule's group walk; None for a plan without groups."""
+    g = plan.groups
+    if g is None:
+        return None
+    from .group_walk import group_walk, key_tile_groups
+
+    key = ("triton.gluon_groups", sched.block_m, sched.block_n, lpt)
+    walk, tiles = plan.cached(key, lambda: (group_walk(plan, sched), key_tile_groups(g, sched.block_n)))
+    return g.q_group, g.k_group, tiles, walk
 
 
 __all__ = ["Config", "forward", "prepare", "unavailable"]

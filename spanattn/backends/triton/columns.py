@@ -20,3 +20,15 @@ KV_START = tl.constexpr(INFO.index("kv_start"))
 KV_END = tl.constexpr(INFO.index("kv_end"))
 FULL_START = tl.constexpr(INFO.index("full_start"))
 FULL_END = tl.constexpr(INFO.index("full_end"))
+
+# The Gluon kernels' span-group walk (group_walk.py), one row per tile of the schedule, in its
+# order: the key tiles a tile's grouped rows need outside its interval walk, as ``pre_tiles``
+# tiles from ``pre_start`` (before ``kv_start``; never in clamp mode) and ``post_tiles`` from
+# ``post_start`` (the end of the interval walk's last tile).
+WALK = ("pre_start", "pre_tiles", "post_start", "post_tiles")
+
+PRE_START = tl.constexpr(WALK.index("pre_start"))
+PRE_TILES = tl.constexpr(WALK.index("pre_tiles"))
+POST_START = tl.constexpr(WALK.index("post_start"))
+POST_TILES = tl.constexpr(WALK.index("post_tiles"))
+N_WALK = tl.constexpr(len(WALK))

@@ -4,7 +4,8 @@ Gluon is experimental and changes between triton releases; a user who installs t
 gets a newer triton than the one the kernels were checked on (gluon_parts.CHECKED_TRITON).
 Rather than pin the fast path to that version, the first step that would run a Gluon kernel
 module on such a triton first runs it on a small step of every variant it serves (each head_dim,
-packed and paged K/V, a window with spans and a global layer) against the fp64 truth
+packed and paged K/V, a window with spans and a global layer, with and without span groups)
+against the fp64 truth
 (spanattn.oracle). If every variant compiles and passes, the module runs from then on; if one
 fails, one warning says why and the plain Triton kernel runs instead. Once per module, device and
 process: about a second of compiling per variant, on the first step only.
@@ -31,10 +32,13 @@ def _variants(head_dims):
 
     seqs = [sa.Seq(q_len=200, kv_len=333, spans=[(40, 250)]), sa.Seq(q_len=130, kv_len=130, causal=False),
             sa.Seq(q_len=70, kv_len=190, spans=[(100, 160)])]  # fmt: skip
+    frames = [(20, 99, 0), (130, 209, 0), (240, 330, 0)]  # a span group: frames with text between
+    grouped = [sa.Seq(q_len=300, kv_len=420, spans=frames), seqs[1]]
     for d in head_dims:
-        for layer in (sa.LayerMask(window=64, spans="clamp"), sa.LayerMask(spans="on")):
-            for page in (None, 64):
-                yield d, sa.Batch(seqs), layer, page
+        for batch in (seqs, grouped):
+            for layer in (sa.LayerMask(window=64, spans="clamp"), sa.LayerMask(spans="on")):
+                for page in (None, 64):
+                    yield d, sa.Batch(batch), layer, page
 
 
 def _one(d, batch, layer, page, device) -> str | None:

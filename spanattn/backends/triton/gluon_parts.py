@@ -19,7 +19,23 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .columns import FULL_END, FULL_START, INFO, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST, SEQ
+from .columns import (
+    FULL_END,
+    FULL_START,
+    INFO,
+    K_ROW0,
+    KV_END,
+    KV_LEN,
+    KV_START,
+    N_WALK,
+    POST_START,
+    POST_TILES,
+    PRE_START,
+    PRE_TILES,
+    Q_ROW0,
+    Q_ROW_LAST,
+    SEQ,
+)
 from .tma_layout import tma_matrix
 
 # Triton versions the Gluon kernels were checked on, on an H200. Gluon is experimental and
@@ -63,12 +79,14 @@ def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
 
 def launch(kernel, tile_rows: int, q_rows: int, pieces: int, q, k, v, plan, sched, out, lse,
            qk_scale: float, softcap_log2: float, softcap: bool, stages: int, block_table=None,
-           page_size: int = 0) -> None:  # fmt: skip
+           page_size: int = 0, groups: tuple | None = None) -> None:  # fmt: skip
     """Launch Gluon ``kernel`` (``attn_fwd_gluon``'s arguments) over ``q [total_q, Hq, D]`` and
     ``k, v [total_k, Hkv, D]`` (see ``uses_gluon``), or flat paged caches ``k, v [num_pages *
     page_size, Hkv, D]`` read through ``block_table``: one program per ``tile_rows``-query tile of
     the schedule and head, Q read in ``q_rows``-row boxes, K/V tiles in ``pieces`` boxes side by
-    side (of ``block_n`` rows, or ``min(page_size, block_n)`` over pages)."""
+    side (of ``block_n`` rows, or ``min(page_size, block_n)`` over pages). ``groups``: the plan's
+    span groups as (query groups, key groups, key tile groups, the schedule's group walk), see
+    group_walk.py; None without."""
     assert sched.block_m == tile_rows
     hq, d = q.shape[1], q.shape[2]
     kv_rows = min(page_size, sched.block_n) if block_table is not None else sched.block_n
@@ -76,22 +94,27 @@ def launch(kernel, tile_rows: int, q_rows: int, pieces: int, q, k, v, plan, sche
     paged = (block_table, block_table.stride(0)) if block_table is not None else (plan.seq_lens, 0)
     kernel[(sched.num_tiles * hq,)](
         *boxes, out, lse if lse is not None else out, plan.lo, plan.hi, sched.info, out.stride(0),
-        out.stride(1), qk_scale, softcap_log2, *heads_at, *paged, HQ=hq, GROUP=hq // k.shape[1],
-        HEAD_DIM=d, BLOCK_N=sched.block_n, STAGES=stages, SOFTCAP=softcap, RETURN_LSE=lse is not None,
-        N_INFO=len(INFO), PAGE=page_size if block_table is not None else 0, CONSUMER_REGS=240,
-        PRODUCER_REGS=24, num_warps=4,
+        out.stride(1), qk_scale, softcap_log2, *heads_at, *paged, *(groups or (plan.lo,) * 4),
+        HQ=hq, GROUP=hq // k.shape[1], HEAD_DIM=d, BLOCK_N=sched.block_n, STAGES=stages,
+        SOFTCAP=softcap, RETURN_LSE=lse is not None, N_INFO=len(INFO),
+        PAGE=page_size if block_table is not None else 0, GROUPS=groups is not None,
+        CLAMP=groups is not None and plan.groups.clamp, CONSUMER_REGS=240, PRODUCER_REGS=24,
+        num_warps=4,
     )  # fmt: skip
 
 
 @gluon.jit
-def tile_walk(TILE_INFO, BT, stride_bt, HQ: gl.constexpr, GROUP: gl.constexpr,
-              N_INFO: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr):  # fmt: skip
+def tile_walk(TILE_INFO, BT, stride_bt, WALK_INFO, HQ: gl.constexpr, GROUP: gl.constexpr,
+              N_INFO: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
+              GROUPS: gl.constexpr):  # fmt: skip
     """This program's head, its KV head, and its query tile's row of the schedule table
     (columns.INFO), read in one round: the tile's first and last query rows, its sequence's first
-    key row (packed) and length, the key walk ``[kv_start, kv_start + num_tiles * BLOCK_N)`` with
-    FULL tiles in ``[full_start, full_end)``, where the tile across the sequence end starts
-    (``tma_last``: shifted back to end with the sequence on packed K/V, read in place over pages)
-    and the sequence's page numbers."""
+    key row (packed) and length, the interval walk from ``kv_start`` with FULL tiles in
+    ``[full_start, full_end)``, where the tile across the sequence end starts (``tma_last``:
+    shifted back to end with the sequence on packed K/V, read in place over pages), the
+    sequence's page numbers, and the whole walk: ``num_tiles`` key tiles, of which ``n_pre``
+    from ``pre_start`` come first and those after ``n_pre + n_main`` from ``post_start`` (span
+    groups, columns.WALK; without, the interval walk alone)."""
     pid = gl.program_id(0)
     head = pid % HQ
     info = TILE_INFO + (pid // HQ) * N_INFO
@@ -108,9 +131,45 @@ def tile_walk(TILE_INFO, BT, stride_bt, HQ: gl.constexpr, GROUP: gl.constexpr,
     else:
         tma_last = kv_len
     pages = BT + gl.load(info + SEQ).to(gl.int64) * stride_bt
-    num_tiles = (kv_end - kv_start + BLOCK_N - 1) // BLOCK_N
+    n_main = (kv_end - kv_start + BLOCK_N - 1) // BLOCK_N
+    n_pre = n_main * 0
+    pre_start = n_pre
+    post_start = n_pre
+    num_tiles = n_main
+    if GROUPS:
+        walk_row = WALK_INFO + (pid // HQ) * N_WALK
+        pre_start = gl.load(walk_row + PRE_START)
+        n_pre = gl.load(walk_row + PRE_TILES)
+        post_start = gl.load(walk_row + POST_START)
+        num_tiles = n_pre + n_main + gl.load(walk_row + POST_TILES)
     walk = (q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, num_tiles)
-    return (head, head // GROUP) + walk + (pages,)
+    return (head, head // GROUP) + walk + (pages, n_pre, pre_start, n_main, post_start)
+
+
+@gluon.jit
+def key_tile(t, kv_start, n_pre, pre_start, n_main, post_start, BLOCK_N: gl.constexpr,
+             GROUPS: gl.constexpr):  # fmt: skip
+    """The first key of tile ``t`` of the walk (tile_walk)."""
+    n = kv_start + t * BLOCK_N
+    if GROUPS:
+        n = kv_start + (t - n_pre) * BLOCK_N
+        if t < n_pre:
+            n = pre_start + t * BLOCK_N
+        elif t >= n_pre + n_main:
+            n = post_start + (t - n_pre - n_main) * BLOCK_N
+    return n
+
+
+@gluon.jit
+def key_tile_group(KT, n, kv_len, BLOCK_N: gl.constexpr, GROUPS: gl.constexpr):
+    """The group whose keys fill key tile ``n ...`` whole (group_walk.key_tile_groups; ``KT`` at
+    the sequence's first key row), -1 if none or the tile crosses the sequence end. Loaded at
+    the top of a consumer's step so that its latency hides under the tile's MMAs."""
+    g = n
+    if GROUPS:
+        g = gl.load(KT + gl.minimum(n, kv_len - BLOCK_N))
+        g = gl.where(n + BLOCK_N <= kv_len, g, -1)
+    return g
 
 
 @gluon.jit
@@ -136,13 +195,14 @@ def ring_barriers(STAGES: gl.constexpr):
 @gluon.jit
 def produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
             v_empty, v_loaded, q_row0, q_col, num_tiles, kv_start, tma_row0, tma_last, kv_col,
-            pages, kv_len, Q_ROW_STEP: gl.constexpr, Q_COL_STEP: gl.constexpr,
-            PIECES: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            PAGE: gl.constexpr):  # fmt: skip
+            pages, kv_len, n_pre, pre_start, n_main, post_start, Q_ROW_STEP: gl.constexpr,
+            Q_COL_STEP: gl.constexpr, PIECES: gl.constexpr, BLOCK_N: gl.constexpr,
+            STAGES: gl.constexpr, PAGE: gl.constexpr, GROUPS: gl.constexpr):  # fmt: skip
     """The producer warp. Q once, as two boxes ``Q_ROW_STEP`` rows / ``Q_COL_STEP`` columns apart;
     then K (V) tile ``t``, as ``PIECES`` boxes side by side, into K (V) slot ``t % STAGES`` (shared
     memory index ``slot * PIECES + piece``) as soon as both consumers released the tile that held
-    it before. Q rows past the sequence end read the next rows (never stored). Packed K/V
+    it before, tiles in the walk's order (key_tile). Q rows past the sequence end read the next
+    rows (never stored). Packed K/V
     (``PAGE`` 0): the tile across the sequence end is read shifted back to end with the sequence.
     Paged K/V: see ``_load_tile``; that tile's values past the end are zeroed before the
     consumers may read them (``v_loaded`` holds them back until then)."""
@@ -153,7 +213,7 @@ def produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
     for t in range(num_tiles):
         slot = t % STAGES
         reuse = (t // STAGES - 1) & 1
-        n = kv_start + t * BLOCK_N
+        n = key_tile(t, kv_start, n_pre, pre_start, n_main, post_start, BLOCK_N, GROUPS)
         mbarrier.wait(k_empty.index(slot), reuse, pred=t >= STAGES)
         mbarrier.expect(k_ready.index(slot), boxes * k_desc.block_type.nbytes)
         _load_tile(k_desc, k_ready.index(slot), k_smem, slot, n, tma_row0, tma_last, kv_col, pages,
@@ -217,10 +277,12 @@ def _zero_rows_from(smem, slot, valid, PIECES: gl.constexpr, BLOCK_N: gl.constex
 
 
 @gluon.jit
-def consumer_start(LO, HI, row0, q_row_last, dtype: gl.constexpr, ROWS: gl.constexpr,
-                   BLOCK_N: gl.constexpr, WIDTH: gl.constexpr):  # fmt: skip
+def consumer_start(LO, HI, QG, row0, q_row_last, dtype: gl.constexpr, ROWS: gl.constexpr,
+                   BLOCK_N: gl.constexpr, WIDTH: gl.constexpr, GROUPS: gl.constexpr):  # fmt: skip
     """A consumer warpgroup's state before its first key tile, for query rows ``row0 ...`` and
-    ``WIDTH`` output columns: the rows' intervals, the key offsets of a tile, the running max and
+    ``WIDTH`` output columns: the rows' intervals and span groups (``gsel``: the row's group, or
+    -2 where it has none, never equal to a key's; ``lo`` when ``GROUPS`` is off), the key offsets
+    of a tile, the running max and
     sum, the rescale factor, the accumulator, p (zero: the first deferred P @ V adds nothing) and
     the zero scores Q @ K^T starts from. Scores live in wgmma's ``ROWS x BLOCK_N`` accumulator
     layout, the output in its ``ROWS x WIDTH`` one, p as the A operand of P @ V."""
@@ -235,6 +297,10 @@ def consumer_start(LO, HI, row0, q_row_last, dtype: gl.constexpr, ROWS: gl.const
     q_idx = gl.minimum(row0 + gl.arange(0, ROWS, layout=rows_s), q_row_last)
     lo = gl.load(LO + q_idx)
     hi = gl.load(HI + q_idx)
+    gsel = lo
+    if GROUPS:
+        gq = gl.load(QG + q_idx)
+        gsel = gl.where(gq >= 0, gq, -2)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_s)
     l_i = gl.zeros([ROWS], gl.float32, layout=rows_s)
@@ -243,7 +309,7 @@ def consumer_start(LO, HI, row0, q_row_last, dtype: gl.constexpr, ROWS: gl.const
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     p = gl.zeros([ROWS, BLOCK_N], dtype, layout=p_layout)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    return lo, hi, offs_n, m_i, l_i, alpha, acc, p, s_zero
+    return lo, hi, gsel, offs_n, m_i, l_i, alpha, acc, p, s_zero
 
 
 @gluon.jit
@@ -258,17 +324,22 @@ def last_pv(acc, alpha, p, v_tile, v_ready, last, STAGES: gl.constexpr):
 
 @gluon.jit
 def softmax_step(s, m_i, l_i, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
-                 softcap_log2, BLOCK_N: gl.constexpr, SOFTCAP: gl.constexpr):  # fmt: skip
+                 softcap_log2, outside, gsel, KG, ktg, kv_len, BLOCK_N: gl.constexpr,
+                 SOFTCAP: gl.constexpr, GROUPS: gl.constexpr, CLAMP: gl.constexpr):  # fmt: skip
     """One tile's online-softmax step on raw scores ``s`` of keys ``n ...`` in the log2 domain (as
     kernel._softmax): ``p`` (fp32, unnormalized), the factor that rescales what was accumulated
     before, the new row max and row sum. Only tiles outside ``[full_start, full_end)`` are masked;
-    the last tile, read shifted back to ``tma_last``, is masked by its true key indices."""
+    the last tile, read shifted back to ``tma_last``, is masked by its true key indices. With
+    span groups see ``group_mask`` (``outside``: the tile is not in the interval walk)."""
     if SOFTCAP:  # c * tanh(score * scale / c), in log2 units (see kernel._softmax)
         s = (1.0 - 2.0 / (gl.exp2(s * (qk_scale * 2.8853900817779268)) + 1.0)) * softcap_log2
         s_scale = 1.0
     else:
         s_scale = qk_scale
-    if (n < full_start) | (n + BLOCK_N > full_end):
+    if GROUPS:
+        s = group_mask(s, n, lo, hi, offs_n, full_start, full_end, tma_last, outside, gsel, KG, ktg,
+                       kv_len, BLOCK_N, CLAMP)  # fmt: skip
+    elif (n < full_start) | (n + BLOCK_N > full_end):
         kv_idx = gl.expand_dims(gl.minimum(n, tma_last) + offs_n, 0)
         keep = (kv_idx >= gl.expand_dims(gl.maximum(lo, n), 1)) & (kv_idx <= gl.expand_dims(hi, 1))
         s = gl.where(keep, s, float("-inf"))
@@ -279,6 +350,33 @@ def softmax_step(s, m_i, l_i, n, lo, hi, offs_n, full_start, full_end, tma_last,
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def group_mask(s, n, lo, hi, offs_n, full_start, full_end, tma_last, outside, gsel, KG, ktg, kv_len,
+               BLOCK_N: gl.constexpr, CLAMP: gl.constexpr):  # fmt: skip
+    """The mask of groups.py on scores ``s`` of key tile ``n ...``. A FULL tile of the interval
+    walk: none. A tile outside it lies past every row's ``hi`` (or, without clamp, before every
+    ``lo``), so only groups decide there: whole in group ``ktg``, per row, all or nothing; else
+    per key, the key's group (``KG``: the sequence's key groups) equal to the row's. A partial
+    tile of the interval walk: per key, the interval or the group, in clamp mode from ``lo`` on.
+    Keys below ``n`` (the shifted last tile) were seen already, keys past the end are none."""
+    if outside & (ktg >= 0):
+        s = gl.where(gl.expand_dims(gsel == ktg, 1), s, float("-inf"))
+    elif outside:
+        kv = gl.minimum(n, tma_last) + offs_n
+        gk = gl.load(KG + kv, mask=(kv >= n) & (kv < kv_len), other=-1)
+        s = gl.where(gl.expand_dims(gk, 0) == gl.expand_dims(gsel, 1), s, float("-inf"))
+    elif (n < full_start) | (n + BLOCK_N > full_end):
+        kv = gl.minimum(n, tma_last) + offs_n
+        gk = gl.load(KG + kv, mask=(kv >= n) & (kv < kv_len), other=-1)
+        kv_idx = gl.expand_dims(kv, 0)
+        keep = (kv_idx >= gl.expand_dims(gl.maximum(lo, n), 1)) & (kv_idx <= gl.expand_dims(hi, 1))
+        same = gl.expand_dims(gk, 0) == gl.expand_dims(gsel, 1)
+        if CLAMP:
+            same = same & (kv_idx >= gl.expand_dims(lo, 1))
+        s = gl.where(keep | same, s, float("-inf"))
+    return s
 
 
 @gluon.jit

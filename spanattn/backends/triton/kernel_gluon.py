@@ -24,6 +24,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from . import gluon_parts as parts
 from .gluon_parts import (
     consumer_start,
+    key_tile,
+    key_tile_group,
     last_pv,
     produce,
     ring_barriers,
@@ -38,17 +40,18 @@ ZERO, ONE = gl.constexpr(0), gl.constexpr(1)
 
 @gluon.jit
 def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-             v_empty, OUT, LSE, LO, HI, q_row0, q_row_last, head, num_tiles, kv_start, full_start,
-             full_end, tma_last, qk_scale, softcap_log2, stride_ot, stride_oh, HQ: gl.constexpr,
-             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr):  # fmt: skip
+             v_empty, OUT, LSE, LO, HI, QG, KG, KT, q_row0, q_row_last, head, num_tiles, kv_start,
+             full_start, full_end, tma_last, kv_len, n_pre, pre_start, n_main, post_start, qk_scale,
+             softcap_log2, stride_ot, stride_oh, HQ: gl.constexpr, HEAD_DIM: gl.constexpr,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
+             RETURN_LSE: gl.constexpr, GROUPS: gl.constexpr, CLAMP: gl.constexpr):  # fmt: skip
     """Query rows ``PART * 64 ...`` of the tile: the online softmax in the log2 domain (as in
     kernel._softmax), each tile's P @ V issued one tile late so that the next softmax runs
     under it."""
     dtype: gl.constexpr = q_smem.dtype
     row0 = q_row0 + PART * ROWS
-    lo, hi, offs_n, m_i, l_i, alpha, acc, p, s_zero = consumer_start(
-        LO, HI, row0, q_row_last, dtype, ROWS, BLOCK_N, HEAD_DIM
+    lo, hi, gsel, offs_n, m_i, l_i, alpha, acc, p, s_zero = consumer_start(
+        LO, HI, QG, row0, q_row_last, dtype, ROWS, BLOCK_N, HEAD_DIM, GROUPS
     )
     q = q_smem.index(PART)
     mbarrier.wait(q_bar, 0)
@@ -56,7 +59,9 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty
     for t in range(num_tiles):
         slot = t % STAGES
         prev = gl.maximum(t - 1, 0) % STAGES
-        n = kv_start + t * BLOCK_N
+        n = key_tile(t, kv_start, n_pre, pre_start, n_main, post_start, BLOCK_N, GROUPS)
+        ktg = key_tile_group(KT, n, kv_len, BLOCK_N, GROUPS)
+        outside = (t < n_pre) | (t >= n_pre + n_main)
         # Rescaled before any MMA is in flight: ptxas would wait for them before reading acc.
         acc = acc * gl.expand_dims(alpha, 1)
         mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
@@ -69,7 +74,7 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty
 
         p_f, alpha_s, m_i, l_i = softmax_step(
             s, m_i, l_i, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale, softcap_log2,
-            BLOCK_N, SOFTCAP,
+            outside, gsel, KG, ktg, kv_len, BLOCK_N, SOFTCAP, GROUPS, CLAMP,
         )  # fmt: skip
         alpha = gl.convert_layout(alpha_s, alpha.type.layout)
         p = gl.convert_layout(p_f.to(dtype), p.type.layout)
@@ -88,13 +93,15 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty
 @gluon.jit
 def attn_fwd_gluon(
     q_desc, k_desc, v_desc, OUT, LSE, LO, HI, TILE_INFO, stride_ot, stride_oh, qk_scale,
-    softcap_log2, q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, BT, stride_bt,
-    HQ: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr, N_INFO: gl.constexpr,
-    PAGE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    softcap_log2, q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, BT, stride_bt, Q_GROUP,
+    K_GROUP, KT_GROUP, WALK_INFO, HQ: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr,
+    N_INFO: gl.constexpr, PAGE: gl.constexpr, GROUPS: gl.constexpr, CLAMP: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):  # fmt: skip
     head, kv_head, q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, \
-        num_tiles, pages = tile_walk(TILE_INFO, BT, stride_bt, HQ, GROUP, N_INFO, BLOCK_N, PAGE)  # fmt: skip
+        num_tiles, pages, n_pre, pre_start, n_main, post_start = tile_walk(
+            TILE_INFO, BT, stride_bt, WALK_INFO, HQ, GROUP, N_INFO, BLOCK_N, PAGE, GROUPS)  # fmt: skip
 
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
@@ -108,17 +115,20 @@ def attn_fwd_gluon(
     # fmt: off
     gl.warp_specialize(
         [(_consume, (0, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, OUT, LSE,
-                     LO, HI, q_row0, q_row_last, head, num_tiles, kv_start, full_start, full_end,
-                     tma_last, qk_scale, softcap_log2, stride_ot, stride_oh, HQ, HEAD_DIM, BLOCK_N,
-                     STAGES, SOFTCAP, RETURN_LSE)),
+                     LO, HI, Q_GROUP, K_GROUP + tma_row0, KT_GROUP + tma_row0, q_row0, q_row_last,
+                     head, num_tiles, kv_start, full_start, full_end, tma_last, kv_len, n_pre,
+                     pre_start, n_main, post_start, qk_scale, softcap_log2, stride_ot, stride_oh, HQ,
+                     HEAD_DIM, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE, GROUPS, CLAMP)),
          (_consume, (1, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, OUT, LSE,
-                     LO, HI, q_row0, q_row_last, head, num_tiles, kv_start, full_start, full_end,
-                     tma_last, qk_scale, softcap_log2, stride_ot, stride_oh, HQ, HEAD_DIM, BLOCK_N,
-                     STAGES, SOFTCAP, RETURN_LSE)),
+                     LO, HI, Q_GROUP, K_GROUP + tma_row0, KT_GROUP + tma_row0, q_row0, q_row_last,
+                     head, num_tiles, kv_start, full_start, full_end, tma_last, kv_len, n_pre,
+                     pre_start, n_main, post_start, qk_scale, softcap_log2, stride_ot, stride_oh, HQ,
+                     HEAD_DIM, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE, GROUPS, CLAMP)),
          (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
                     v_empty, v_loaded, q_row0 + head * q_head_rows, head * q_head_cols, num_tiles,
                     kv_start, tma_row0 + kv_head * kv_head_rows, tma_last, kv_head * kv_head_cols,
-                    pages, kv_len, ROWS, ZERO, ONE, BLOCK_N, STAGES, PAGE))],
+                    pages, kv_len, n_pre, pre_start, n_main, post_start, ROWS, ZERO, ONE, BLOCK_N,
+                    STAGES, PAGE, GROUPS))],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
     )

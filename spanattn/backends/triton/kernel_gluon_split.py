@@ -24,6 +24,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from . import gluon_parts as parts
 from .gluon_parts import (
     consumer_start,
+    key_tile,
+    key_tile_group,
     last_pv,
     partition_barrier,
     produce,
@@ -39,14 +41,16 @@ ZERO, TWO = gl.constexpr(0), gl.constexpr(2)
 
 @gluon.jit
 def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, k_ready, k_empty, v_ready,
-             v_empty, x_full, x_free, OUT, LSE, LO, HI, q_row0, q_row_last, head, num_tiles,
-             kv_start, full_start, full_end, tma_last, qk_scale, softcap_log2, stride_ot, stride_oh,
-             HQ: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr):  # fmt: skip
+             v_empty, x_full, x_free, OUT, LSE, LO, HI, QG, KG, KT, q_row0, q_row_last, head,
+             num_tiles, kv_start, full_start, full_end, tma_last, kv_len, n_pre, pre_start, n_main,
+             post_start, qk_scale, softcap_log2, stride_ot, stride_oh, HQ: gl.constexpr,
+             HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr, GROUPS: gl.constexpr,
+             CLAMP: gl.constexpr):  # fmt: skip
     """Columns ``PART * HALF ...`` of the tile's 64 query rows."""
     dtype: gl.constexpr = q_smem.dtype
-    lo, hi, offs_n, m_i, l_i, alpha, acc, p, s_zero = consumer_start(
-        LO, HI, q_row0, q_row_last, dtype, ROWS, BLOCK_N, HALF
+    lo, hi, gsel, offs_n, m_i, l_i, alpha, acc, p, s_zero = consumer_start(
+        LO, HI, QG, q_row0, q_row_last, dtype, ROWS, BLOCK_N, HALF, GROUPS
     )
     q = q_smem.index(PART)
     mine = x_smem.index(PART)
@@ -56,7 +60,9 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, k_ready,
     for t in range(num_tiles):
         slot = t % STAGES
         prev = gl.maximum(t - 1, 0) % STAGES
-        n = kv_start + t * BLOCK_N
+        n = key_tile(t, kv_start, n_pre, pre_start, n_main, post_start, BLOCK_N, GROUPS)
+        ktg = key_tile_group(KT, n, kv_len, BLOCK_N, GROUPS)
+        outside = (t < n_pre) | (t >= n_pre + n_main)
         acc = acc * gl.expand_dims(alpha, 1)
         mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
         s = warpgroup_mma(
@@ -81,7 +87,7 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, k_ready,
 
         p_f, alpha_s, m_i, l_i = softmax_step(
             s, m_i, l_i, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale, softcap_log2,
-            BLOCK_N, SOFTCAP,
+            outside, gsel, KG, ktg, kv_len, BLOCK_N, SOFTCAP, GROUPS, CLAMP,
         )  # fmt: skip
         alpha = gl.convert_layout(alpha_s, alpha.type.layout)
         p = gl.convert_layout(p_f.to(dtype), p.type.layout)
@@ -100,13 +106,15 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, k_ready,
 @gluon.jit
 def attn_fwd_gluon_split(
     q_desc, k_desc, v_desc, OUT, LSE, LO, HI, TILE_INFO, stride_ot, stride_oh, qk_scale,
-    softcap_log2, q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, BT, stride_bt,
-    HQ: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr, N_INFO: gl.constexpr,
-    PAGE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    softcap_log2, q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, BT, stride_bt, Q_GROUP,
+    K_GROUP, KT_GROUP, WALK_INFO, HQ: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr,
+    N_INFO: gl.constexpr, PAGE: gl.constexpr, GROUPS: gl.constexpr, CLAMP: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):  # fmt: skip
     head, kv_head, q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, \
-        num_tiles, pages = tile_walk(TILE_INFO, BT, stride_bt, HQ, GROUP, N_INFO, BLOCK_N, PAGE)  # fmt: skip
+        num_tiles, pages, n_pre, pre_start, n_main, post_start = tile_walk(
+            TILE_INFO, BT, stride_bt, WALK_INFO, HQ, GROUP, N_INFO, BLOCK_N, PAGE, GROUPS)  # fmt: skip
 
     HALF: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = q_desc.dtype
@@ -127,17 +135,22 @@ def attn_fwd_gluon_split(
     # fmt: off
     gl.warp_specialize(
         [(_consume, (0, q_smem, k_smem, v_smem, x_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                     x_full, x_free, OUT, LSE, LO, HI, q_row0, q_row_last, head, num_tiles, kv_start,
-                     full_start, full_end, tma_last, qk_scale, softcap_log2, stride_ot, stride_oh,
-                     HQ, HALF, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE)),
+                     x_full, x_free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP + tma_row0,
+                     KT_GROUP + tma_row0, q_row0, q_row_last, head, num_tiles, kv_start, full_start,
+                     full_end, tma_last, kv_len, n_pre, pre_start, n_main, post_start, qk_scale,
+                     softcap_log2, stride_ot, stride_oh, HQ, HALF, BLOCK_N, STAGES, SOFTCAP,
+                     RETURN_LSE, GROUPS, CLAMP)),
          (_consume, (1, q_smem, k_smem, v_smem, x_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                     x_full, x_free, OUT, LSE, LO, HI, q_row0, q_row_last, head, num_tiles, kv_start,
-                     full_start, full_end, tma_last, qk_scale, softcap_log2, stride_ot, stride_oh,
-                     HQ, HALF, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE)),
+                     x_full, x_free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP + tma_row0,
+                     KT_GROUP + tma_row0, q_row0, q_row_last, head, num_tiles, kv_start, full_start,
+                     full_end, tma_last, kv_len, n_pre, pre_start, n_main, post_start, qk_scale,
+                     softcap_log2, stride_ot, stride_oh, HQ, HALF, BLOCK_N, STAGES, SOFTCAP,
+                     RETURN_LSE, GROUPS, CLAMP)),
          (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
                     v_empty, v_loaded, q_row0 + head * q_head_rows, head * q_head_cols, num_tiles,
                     kv_start, tma_row0 + kv_head * kv_head_rows, tma_last, kv_head * kv_head_cols,
-                    pages, kv_len, ZERO, HALF, TWO, BLOCK_N, STAGES, PAGE))],
+                    pages, kv_len, n_pre, pre_start, n_main, post_start, ZERO, HALF, TWO, BLOCK_N,
+                    STAGES, PAGE, GROUPS))],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
     )

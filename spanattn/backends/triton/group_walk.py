@@ -1,0 +1,59 @@
+"""Span groups for the Gluon kernels: each schedule tile's walk outside its interval range, and
+which key tiles lie whole inside one group.
+
+kernel.py walks a group's keys beyond a tile's interval range run by run (groups.tile_runs),
+once per group of the tile's rows. The Gluon kernels' producer and consumers must agree on one
+sequence of key tiles without per-group loops, so a tile's walk is three ranges of key tiles:
+``pre`` (group keys before the interval walk; global and ``on`` layers only), the interval walk
+``[kv_start, kv_end)`` and ``post`` (group keys after it), each range the hull of the tile's rows'
+groups' keys there (``SpanGroups.extents``). Tiles of the hull that hold none of a row's group
+keys are walked and masked: text between the spans of one group (a few timestamp tokens between
+video frames) costs its tiles once, text that sits between a group's spans for thousands of
+tokens would cost those tiles too.
+
+A key tile whose keys all belong to one group (``key_tile_groups``) is masked per row, not per
+key: outside the interval walk a row either sees the whole tile or none of it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .columns import INFO, WALK
+
+
+def group_walk(plan, sched) -> torch.Tensor:
+    """int32 ``[sched.num_tiles, len(WALK)]`` (columns.WALK) for ``plan.groups``, in ``sched``'s
+    tile order and ``sched.block_n``-key tiles, positions in the tile's sequence."""
+    g, bm, bn = plan.groups, sched.block_m, sched.block_n
+    col = lambda name: sched.info[:, INFO.index(name)].long()
+    q_row0, q_row_last, k_row0 = col("q_row0"), col("q_row_last"), col("k_row0")
+    rows = q_row0[:, None] + torch.arange(bm, device=q_row0.device)
+    gq = g.q_group.long()[rows.clamp_max(g.q_group.numel() - 1)]
+    grouped = (rows <= q_row_last[:, None]) & (gq >= 0)
+    ext = g.extents.long()[gq.clamp_min(0)] - k_row0[:, None, None]  # [tiles, bm, (first, last)]
+    first = torch.where(grouped, ext[..., 0], 2**31 - 1).amin(1)
+    last = torch.where(grouped, ext[..., 1], -1).amax(1)
+    kv_start, kv_end = col("kv_start"), col("kv_end")
+    post_start = kv_start + (kv_end - kv_start + bn - 1) // bn * bn
+    post_tiles = ((last + 1 - post_start + bn - 1) // bn).clamp_min(0)
+    zero = torch.zeros_like(kv_start)
+    if g.clamp:  # group keys below a row's lo are not allowed, and lo >= kv_start
+        pre_start, pre_tiles = zero, zero
+    else:
+        has = first < kv_start
+        pre_start = torch.where(has, first // bn * bn, zero)
+        pre_tiles = torch.where(has, (kv_start - pre_start) // bn, zero)
+    cols = dict(pre_start=pre_start, pre_tiles=pre_tiles, post_start=post_start, post_tiles=post_tiles)
+    return torch.stack([cols[c] for c in WALK], 1).to(torch.int32).contiguous()
+
+
+def key_tile_groups(groups, block_n: int) -> torch.Tensor:
+    """int32 ``[key rows]``: at row ``r`` the group of keys ``r ... r + block_n - 1`` if all of
+    them are keys of that one group, else -1. Group ids are unique across a step's sequences, so a
+    tile across a sequence boundary is never whole in a group."""
+    kg = groups.k_group
+    pad = torch.cat([kg, kg.new_full((block_n - 1,), -1)])
+    windows = pad.unfold(0, block_n, 1)
+    low, high = windows.amin(1), windows.amax(1)
+    return torch.where(low == high, low, -1).to(torch.int32).contiguous()
