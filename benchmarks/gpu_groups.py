@@ -3,8 +3,10 @@
 1. The check grid: every spanattn backend that runs here on the mixed step with span groups
    (``scenarios.group_check_step``, positions x8) under each of its layers, and the split-KV
    decode kernel on ``group_decode_step``; triton at head_dim 128 (packed and over 16-token
-   pages) and 256, flex and sdpa at 128; each held to the fp64 rule (DESIGN.md section 4) and
-   to isolation (one sequence's NaN changes no other's bits).
+   pages) and 256, flex, sdpa and fa4 at 128; the Gluon kernels (every sequence a key tile
+   long: the step's first four sequences at positions x16) at 128, 256 and 512, packed and
+   paged; each held to the fp64 rule (DESIGN.md section 4) and, packed, to isolation (one
+   sequence's NaN changes no other's bits).
 2. The video scenarios (``scenarios.video_scenarios``: 64 frames x 256 tokens with 16-token
    timestamps, d128; a global layer and a W=1024 clamped one) and their twins without groups
    (the same frames as independent spans): our backends, FlexAttention with
@@ -40,7 +42,7 @@ from spanattn.oracle import Truth  # noqa: E402
 from spanattn.scenarios import HKV, HQ, group_check_step, group_decode_step, video_scenarios  # noqa: E402
 
 BACKENDS = ("triton", "flex", "sdpa", "fa4", "flex+create_block_mask")
-OURS = ("triton", "flex", "sdpa")
+OURS = ("triton", "fa4", "flex", "sdpa")
 
 
 def environment(device) -> dict:
@@ -84,16 +86,24 @@ def _grid_row(name, plan, d, dtype, paged, what) -> dict:
 def grid(device, big: bool, log) -> list[dict]:
     """The check grid (item 1 above): one row per backend, step, layer, head_dim and K/V form.
     On the GPU: triton at d128 packed and paged and d256 packed (the decode-shaped step at d128
-    only), flex and sdpa at d128: each kernel variant compiles once, the whole grid in ~2 min."""
+    only), flex, sdpa and fa4 at d128, the Gluon kernels on the long step: each kernel variant
+    compiles once, the whole grid in ~3 min."""
     m = 8 if big else 1
     batch, layers = group_check_step(m)
+    long = sa.Batch(group_check_step(2 * m)[0].seqs[:4])
     d_main, d_wide = (128, 256) if big else (32, 64)
+    gluon = [("triton", d, paged) for d in ((128, 256, 512) if big else ()) for paged in (False, True)]
     rows = []
     for lname, layer in layers.items():
-        for what, b in (("mixed", batch), ("decode", group_decode_step(m))):
+        steps = (("mixed", batch), ("decode", group_decode_step(m))) + ((("long", long),) if big else ())
+        for what, b in steps:
             plan = sa.plan(b, layer, device)
-            runs = [("triton", d_main, False), ("triton", d_main, True), ("flex", d_main, False)]
-            runs += [("sdpa", d_main, False)] + ([("triton", d_wide, False)] if what == "mixed" else [])
+            if what == "long":
+                runs = gluon
+            else:
+                runs = [("triton", d_main, False), ("triton", d_main, True), ("flex", d_main, False)]
+                runs += [("sdpa", d_main, False)]
+                runs += [("triton", d_wide, False), ("fa4", d_main, False)] if what == "mixed" else []
             for name, d, paged in runs:
                 dtype = torch.bfloat16 if big else (torch.float16 if name == "triton" else torch.float32)
                 row = _grid_row(name, plan, d, dtype, paged, f"{what} {lname}")

@@ -1,12 +1,13 @@
 """The fa4 backend's lowering, checked without FA4: which path a plan takes, and that the block
-tables plus the interval mask_mod, run the way FA4's block-sparse loop runs them, give exactly
-the plan's mask. The kernel itself is checked on the GPU (benchmarks/gpu_fa4.py)."""
+tables plus the interval mask_mod (and the span-group one), run the way FA4's block-sparse loop
+runs them, give exactly the plan's mask. The kernel itself is checked on the GPU
+(benchmarks/gpu_fa4.py, benchmarks/gpu_groups.py)."""
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from strategies import batches, layers
+from strategies import batches, grouped_batches, layers
 from test_tiles import packed_dense
 
 import spanattn as sa
@@ -19,6 +20,14 @@ def interval_mask_mod(kv, lo, width):
     return u32(kv - lo.long()) <= u32(width)
 
 
+def group_mask_mod(kv, lo, width, row_group, key_group, clamp: bool):
+    """The span-group mask_mod: the interval, or the key's group equal to the row's."""
+    same = key_group.long()[kv] == row_group.long()
+    if clamp:
+        same &= kv >= lo.long()
+    return interval_mask_mod(kv, lo, width) | same
+
+
 def emulate_fa4_mask(plan, head_dim: int) -> torch.Tensor:
     """Boolean ``[total_q, total_k]``: what FA4 computes from the sparse inputs. Per query tile
     it visits the listed PARTIAL tiles with ``mask_mod`` and the FULL tiles without it; every
@@ -28,7 +37,14 @@ def emulate_fa4_mask(plan, head_dim: int) -> torch.Tensor:
     bm, bn = t.BLOCK_M, t.BLOCK_N
     assert t.kv_num_blocks.shape[0] * bm == -(-layout.q.num // bm) * bm
     cols = t.kv_indices.shape[1] * bn
-    mask_mod = interval_mask_mod(torch.arange(cols)[None, :], *(a[:, None] for a in aux))
+    kv = torch.arange(cols)[None, :]
+    if plan.groups is None:
+        mask_mod = interval_mask_mod(kv, *(a[:, None] for a in aux))
+    else:
+        lo, width, row_group, key_group = aux
+        assert key_group.numel() >= cols  # FA4 reads a key's group for every key of a tile
+        mask_mod = group_mask_mod(kv, lo[:, None], width[:, None], row_group[:, None], key_group,
+                                  plan.groups.clamp)  # fmt: skip
     got = torch.zeros(t.kv_num_blocks.shape[0] * bm, cols, dtype=torch.bool)
     for m in range(t.kv_num_blocks.shape[0]):
         r = slice(m * bm, (m + 1) * bm)
@@ -51,6 +67,14 @@ def emulate_fa4_mask(plan, head_dim: int) -> torch.Tensor:
 @given(batch=batches(), layer=layers(), head_dim=st.sampled_from([64, 128, 192, 256]))
 def test_sparse_lowering_is_the_plans_mask(batch, layer, head_dim):
     plan = sa.plan(batch, layer)
+    assert torch.equal(emulate_fa4_mask(plan, head_dim), packed_dense(plan))
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=grouped_batches(), layer=layers(max_window=320), head_dim=st.sampled_from([128, 256]))
+def test_span_group_lowering_is_the_plans_mask(batch, layer, head_dim):
+    plan = sa.plan(batch, layer)
+    assume(plan.groups is not None)
     assert torch.equal(emulate_fa4_mask(plan, head_dim), packed_dense(plan))
 
 
@@ -118,6 +142,8 @@ def test_auto_passes_decode_and_copying_steps_to_triton():
     assert "copied" in fa4.auto_declines(q, text)
     whole = step(on, sa.Seq(300, kv_len=1024), sa.Seq(20, kv_len=50))
     assert fa4.auto_declines(q, whole) is None
+    video = step(on, sa.Seq(1024, spans=[(16, 271, 0), (288, 543, 0)]))
+    assert "span groups" in fa4.auto_declines(q, video)
     aligned = step(on, sa.Seq(256, spans=[(0, 99)]), sa.Seq(300, kv_len=900))
     assert fa4.auto_declines(q, aligned) is None
 

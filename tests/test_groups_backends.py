@@ -1,7 +1,8 @@
 """Every backend that runs here on steps with span groups, against the fp64 truth (whose mask
 test_groups.py holds to the per-pair predicate): flex eager and compiled on its aligned layout,
 triton's prefill kernel (pointer and TMA loads, one and three loops, paged) and its split-KV
-decode kernel under TRITON_INTERPRET=1; fa4 and device plans refuse groups by name."""
+decode kernel under TRITON_INTERPRET=1; fa4 where FA4 runs (its lowering's mask is checked without
+FA4 in test_fa4.py); device plans refuse groups by name."""
 
 import importlib
 import os
@@ -182,15 +183,21 @@ def test_schedule_cost_spans_every_allowed_key(batch, layer):
         assert cost == int(keys.max() - keys.min() + 1)
 
 
-def test_fa4_and_device_plans_refuse_groups_by_name():
+@pytest.mark.parametrize("layer", LAYERS)
+def test_fa4(layer):
+    """The sparse path with the span-group mask_mod, on the check step at positions x8."""
     from spanattn.backends import fa4
 
-    batch, layers_ = group_check_step()
-    plan = sa.plan(batch, layers_["on"])
-    q = torch.zeros(plan.total_q, 2, 64)
-    assert "span groups" in fa4.unavailable(q, plan)
-    with pytest.raises(RuntimeError, match="span groups"):
-        sa.attention(q, *(torch.zeros(plan.total_k, 2, 64),) * 2, plan, backend="fa4")
+    batch, layers_ = group_check_step(8)
+    plan = sa.plan(batch, layers_[layer], DEV)
+    q, k, v = inputs(plan, 4, 2, 128, torch.bfloat16)
+    if fa4.unavailable(q, plan):
+        pytest.skip(fa4.unavailable(q, plan))
+    out, lse = sa.attention(q, k, v, plan, backend="fa4", return_lse=True)
+    check(plan, q, k, v, out, lse, 128**-0.5)
+
+
+def test_device_plans_refuse_groups_by_name():
     planner = sa.DevicePlanner({"g": sa.LayerMask()}, max_seqs=2, max_tokens=16, max_kv_len=16, max_spans=2)
     with pytest.raises(ValueError, match="span groups are planned on the host"):
         planner.update(torch.tensor([8]), torch.tensor([8]), spans=torch.tensor([[0, 1, 2, 0], [0, 4, 5, 0]]))

@@ -10,7 +10,10 @@ Two paths, picked per plan:
   ``alo`` and ``ahi - alo``: one unsigned compare per score) and FA4 block-sparse tensors made
   from tile tables at FA4's own tile shape: FULL tiles run without the mask, PARTIAL tiles run
   ``mask_mod``, the rest are never loaded. Intervals never leave their sequence, so no
-  sequence-id check is needed.
+  sequence-id check is needed. Span groups (groups.py) add each row's and key's group id as two
+  more aux tensors, read by a second ``mask_mod`` only for plans that have them: a key of the
+  row's group passes too (in clamp mode from ``lo`` on); the tile tables list the tiles of a
+  group's other spans, FULL where every pair of the tile is allowed.
 
 Isolation. FA4's SM90 kernel reads whole key tiles and multiplies masked probabilities (0) by
 every value row of the tile, and ``0 * NaN`` is NaN: a tile holding two sequences' keys lets one
@@ -79,11 +82,6 @@ def _import_error() -> str | None:
 
 
 def unavailable(q, plan, **opts) -> str | None:
-    if plan.groups is not None:
-        return (
-            "the fa4 backend has no lowering of span groups (its mask_mod and block sparsity "
-            "read intervals only); the triton backend runs them"
-        )
     if not q.is_cuda:
         return "FA4 runs on CUDA only"
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -109,7 +107,11 @@ def auto_declines(q, plan, **opts) -> str | None:
     - steps whose sequences must be copied onto tiles of their own (``copies``): the copy costs
       a read and write of q or K/V, and triton's kernels never read another sequence's rows
       without one (measured on the H200: chunks with images + decode rows + canvases ran 1.02x
-      (global) and 1.29x (sliding) triton's time on fa4 with the query copy alone).
+      (global) and 1.29x (sliding) triton's time on fa4 with the query copy alone);
+    - steps with span groups: the group ``mask_mod`` reads a key's group per score on every
+      PARTIAL tile; on the H200's 64-frame video steps fa4 ran 0.96x triton's time on the
+      global layer but 1.07x on the clamped one, and its group tables took 8 ms to build
+      against triton's 3-4 (results/2026-12-01-groups-fa4-h200.json).
     """
     try:
         from .triton.decode import MAX_Q_LEN
@@ -119,6 +121,8 @@ def auto_declines(q, plan, **opts) -> str | None:
         return f"decode-shaped step (q_len <= {MAX_Q_LEN}): the split-KV kernel suits it better"
     if copies(plan, q.shape[-1]):
         return "sequences would be copied onto tiles of their own; triton keeps them apart without a copy"
+    if plan.groups is not None:
+        return "span groups: triton's Gluon kernels walk them without a per-score lookup of key groups"
     return None
 
 
@@ -148,6 +152,29 @@ def _interval_mask_mod():
     return interval_mask
 
 
+@functools.cache
+def _group_mask_mod(clamp: bool):
+    """The interval ``mask_mod`` or a key of the row's span group (aux tensors 2 and 3: the
+    row's group, -2 where none, and the key's, -1 where none, so that only real groups match);
+    in clamp mode group keys from ``lo`` on. One per mode, module-level, as above."""
+    import cutlass
+    import cutlass.cute as cute
+    from flash_attn.cute.utils import scalar_to_ssa
+
+    @cute.jit
+    def group_mask(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+        lo = scalar_to_ssa(aux_tensors[0][q_idx[0]], cutlass.Int32)
+        width = scalar_to_ssa(aux_tensors[1][q_idx[0]], cutlass.Int32)
+        row_group = scalar_to_ssa(aux_tensors[2][q_idx[0]], cutlass.Int32)
+        key_group = scalar_to_ssa(aux_tensors[3][kv_idx[0]], cutlass.Int32)
+        same = key_group == row_group
+        if cutlass.const_expr(clamp):
+            same = same & (kv_idx >= lo)
+        return ((kv_idx - lo).to(cutlass.Uint32) <= width.to(cutlass.Uint32)) | same
+
+    return group_mask
+
+
 def sparse_layout(plan, head_dim: int):
     """The sparse path's aligned layout (aligned.py): each sequence on its own query and key tiles."""
     return aligned_layout(plan, BLOCK_M, _kv_tile(head_dim, plan.layer.window is not None))
@@ -158,7 +185,8 @@ def sparse_inputs(plan, head_dim: int):
     the intervals in that layout as ``[lo, width = hi - lo]``, every row that holds no query
     carrying the empty interval ``(EMPTY_LO, 0)``. A tile past the last has them too: FA4
     evaluates ``mask_mod`` on every row of a short last tile, and with GQA heads packed into
-    tiles (FA4's default) those rows reach past it by up to a tile."""
+    tiles (FA4's default) those rows reach past it by up to a tile. With span groups, also the
+    rows' groups (-2 where none) and the keys' (-1 where none, and a tile past the last key)."""
     block_n = _kv_tile(head_dim, plan.layer.window is not None)
 
     def build():
@@ -169,7 +197,16 @@ def sparse_inputs(plan, head_dim: int):
         real = layout.hi >= layout.lo
         lo[: layout.q.num] = torch.where(real, layout.lo, EMPTY_LO)
         width[: layout.q.num] = torch.where(real, layout.hi - layout.lo, 0)
-        return aligned_tile_tables(plan, BLOCK_M, block_n), [lo, width]
+        aux = [lo, width]
+        g = layout.groups
+        if g is not None:
+            row_group = torch.full_like(lo, -2)
+            row_group[: layout.q.num] = torch.where(real & (g.q_group >= 0), g.q_group, -2)
+            key_group = torch.full(((-(-layout.k.num // block_n) + 1) * block_n,), -1, dtype=torch.int32,
+                                   device=lo.device)  # fmt: skip
+            key_group[: layout.k.num] = g.k_group
+            aux += [row_group, key_group]
+        return aligned_tile_tables(plan, BLOCK_M, block_n), aux
 
     return plan.cached(("fa4_sparse", block_n), build)
 
@@ -247,7 +284,7 @@ def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
             v[None],
             causal=False,
             pack_gqa=_pack_gqa(q, k),
-            mask_mod=_interval_mask_mod(),
+            mask_mod=_interval_mask_mod() if plan.groups is None else _group_mask_mod(plan.groups.clamp),
             aux_tensors=aux,
             block_sparse_tensors=_block_sparse(tables),
             **common,
