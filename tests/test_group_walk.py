@@ -42,12 +42,14 @@ def walked(plan, bm: int, bn: int, paged: bool) -> torch.Tensor:
         for n in pre + main + post:
             outside = n not in main
             kv = (n if paged else min(n, kv_len - bn)) + torch.arange(bn)
-            whole = ktg[k0 + min(n, kv_len - bn)].item() if n + bn <= kv_len else -1
+            code = ktg[k0 + min(n, kv_len - bn)].item() if n + bn <= kv_len else -1
             inside = (kv >= n) & (kv < kv_len)  # keys below n: seen already (the shifted tile)
             gk = torch.where(inside, g.k_group[(k0 + kv).clamp_max(plan.total_k - 1)].long(), -1)
             same = gk[None, :] == gsel[:, None]
-            if outside and whole >= 0:  # per row
-                ok = (gsel == whole)[:, None].repeat(1, bn)
+            if outside and code >= 0:  # a row compare and a column compare
+                col = torch.arange(bn)
+                cols = (col < (code & 255)) | (col >= (code >> 8 & 255))
+                ok = (gsel == code >> 16)[:, None] & cols[None, :]
             elif outside:  # per key, groups alone
                 ok = same
             elif n < t["full_start"] or n + bn > t["full_end"]:  # per key
@@ -79,14 +81,22 @@ def test_walk_lets_through_exactly_the_allowed_pairs(batch, layer, tiles, paged)
 def test_video_walk_skips_nothing_and_masks_whole_frame_tiles_per_row():
     """Frames of 256 tokens 16 apart: a tile holding frame rows walks on from the end of its
     interval walk (its last frame's end) to the end of the last frame; key tiles inside one frame
-    carry its group (masked per row), those across text carry none."""
+    carry its group code, tiles holding one run of text beside a frame too, with the text's
+    offsets; tiles holding two groups or two runs of text carry none."""
     frames = [(16 + 272 * i, 16 + 272 * i + 255, 0) for i in range(6)]
     p = sa.plan(sa.Batch([sa.Seq(6 * 272, spans=frames)]), sa.LayerMask())
     sched = build_schedule(p, 128, 128)
     walk = dict(zip(WALK, group_walk(p, sched)[sched.column("q_row0") == 256].flatten().tolist()))
     assert walk == {"pre_start": 0, "pre_tiles": 0, "post_start": 640, "post_tiles": 8}
+    code = lambda g, a, b: g << 16 | b << 8 | a
     ktg = key_tile_groups(p.groups, 128)
-    assert ktg[[16, 144, 128, 256]].tolist() == [0, 0, 0, -1]
+    # whole in frame 0; frame 0's end, text 272..287, frame 1's start; text 0..15 then frame 0
+    assert ktg[[16, 144, 256, 0]].tolist() == [code(0, 0, 0)] * 2 + [code(0, 16, 32), code(0, 0, 16)]
+    spans = [(0, 9, 0), (20, 29, 0), (40, 49, 1), (55, 60, 1)]
+    two = sa.plan(sa.Batch([sa.Seq(64, spans=spans)]), sa.LayerMask()).groups
+    codes = [code(0, 10, 16), code(0, 6, 16), code(1, 10, 15)]
+    assert key_tile_groups(two, 16)[[0, 24, 40]].tolist() == codes
+    assert key_tile_groups(two, 32)[[20, 8]].tolist() == [-1, -1]  # two groups; two runs of text
 
 
 def test_clamp_walks_no_keys_before_the_window():

@@ -162,9 +162,9 @@ def key_tile(t, kv_start, n_pre, pre_start, n_main, post_start, BLOCK_N: gl.cons
 
 @gluon.jit
 def key_tile_group(KT, n, kv_len, BLOCK_N: gl.constexpr, GROUPS: gl.constexpr):
-    """The group whose keys fill key tile ``n ...`` whole (group_walk.key_tile_groups; ``KT`` at
-    the sequence's first key row), -1 if none or the tile crosses the sequence end. Loaded at
-    the top of a consumer's step so that its latency hides under the tile's MMAs."""
+    """Key tile ``n ...``'s group code (group_walk.key_tile_groups; ``KT`` at the sequence's
+    first key row), -1 if none or the tile crosses the sequence end. Loaded at the top of a
+    consumer's step so that its latency hides under the tile's MMAs."""
     g = n
     if GROUPS:
         g = gl.load(KT + gl.minimum(n, kv_len - BLOCK_N))
@@ -357,12 +357,17 @@ def group_mask(s, n, lo, hi, offs_n, full_start, full_end, tma_last, outside, gs
                BLOCK_N: gl.constexpr, CLAMP: gl.constexpr):  # fmt: skip
     """The mask of groups.py on scores ``s`` of key tile ``n ...``. A FULL tile of the interval
     walk: none. A tile outside it lies past every row's ``hi`` (or, without clamp, before every
-    ``lo``), so only groups decide there: whole in group ``ktg``, per row, all or nothing; else
-    per key, the key's group (``KG``: the sequence's key groups) equal to the row's. A partial
+    ``lo``), so only groups decide there: with a group code ``ktg`` (group ``g``, its keys all
+    but offsets ``[a, b)``), rows of ``g`` see the columns outside ``[a, b)``; else per key, the
+    key's group (``KG``: the sequence's key groups) equal to the row's. A partial
     tile of the interval walk: per key, the interval or the group, in clamp mode from ``lo`` on.
     Keys below ``n`` (the shifted last tile) were seen already, keys past the end are none."""
     if outside & (ktg >= 0):
-        s = gl.where(gl.expand_dims(gsel == ktg, 1), s, float("-inf"))
+        a = ktg & 255
+        b = (ktg >> 8) & 255
+        cols = (offs_n < a) | (offs_n >= b)
+        rows = gsel == (ktg >> 16)
+        s = gl.where(gl.expand_dims(rows, 1) & gl.expand_dims(cols, 0), s, float("-inf"))
     elif outside:
         kv = gl.minimum(n, tma_last) + offs_n
         gk = gl.load(KG + kv, mask=(kv >= n) & (kv < kv_len), other=-1)

@@ -11,8 +11,9 @@ keys are walked and masked: text between the spans of one group (a few timestamp
 video frames) costs its tiles once, text that sits between a group's spans for thousands of
 tokens would cost those tiles too.
 
-A key tile whose keys all belong to one group (``key_tile_groups``) is masked per row, not per
-key: outside the interval walk a row either sees the whole tile or none of it.
+A key tile whose keys all belong to one group but for one run in no group (``key_tile_groups``:
+a video frame and the timestamp text beside it) is masked by a row compare and a column compare,
+not by a lookup per key: outside the interval walk a row sees the tile's group keys or none.
 """
 
 from __future__ import annotations
@@ -49,11 +50,23 @@ def group_walk(plan, sched) -> torch.Tensor:
 
 
 def key_tile_groups(groups, block_n: int) -> torch.Tensor:
-    """int32 ``[key rows]``: at row ``r`` the group of keys ``r ... r + block_n - 1`` if all of
-    them are keys of that one group, else -1. Group ids are unique across a step's sequences, so a
-    tile across a sequence boundary is never whole in a group."""
+    """int32 ``[key rows]``: at row ``r``, for keys ``r ... r + block_n - 1``, ``g << 16 | b << 8 |
+    a`` if every key of them at a tile offset outside ``[a, b)`` belongs to group ``g`` and those
+    inside to none (``a == b == 0``: the whole tile is the group's); -1 otherwise (keys of two
+    groups, text in two runs, ``g`` past 15 bits). A key tile of a video holds one frame's keys
+    and at most one run of timestamp text, so each of them is masked by a row and a column
+    compare. Group ids are unique across a step's sequences, so a tile across a sequence boundary
+    holds two groups or none."""
     kg = groups.k_group
     pad = torch.cat([kg, kg.new_full((block_n - 1,), -1)])
-    windows = pad.unfold(0, block_n, 1)
-    low, high = windows.amin(1), windows.amax(1)
-    return torch.where(low == high, low, -1).to(torch.int32).contiguous()
+    windows = pad.unfold(0, block_n, 1)  # [key rows, block_n], a view
+    g = windows.amax(1)
+    one_group = torch.where(windows >= 0, windows, 2**31 - 1).amin(1) == g
+    none = windows < 0
+    count = none.sum(1)
+    a = none.int().argmax(1)  # the first key in no group (0 if none)
+    b = block_n - none.flip(1).int().argmax(1)  # past the last one
+    one_run = (count == 0) | (b - a == count)
+    a, b = torch.where(count > 0, a, 0), torch.where(count > 0, b, 0)
+    ok = (g >= 0) & (g < 2**15) & one_group & one_run
+    return torch.where(ok, (g << 16) | (b << 8) | a, -1).to(torch.int32).contiguous()
