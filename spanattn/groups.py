@@ -27,7 +27,7 @@ from functools import cached_property
 
 import torch
 
-from .intervals import seq_ids, span_holding
+from .intervals import fuses, seq_ids, span_holding
 
 BIG = 2**32  # (group, position) as one int64 key: positions fit int32
 
@@ -132,11 +132,34 @@ class SpanGroups:
         )  # fmt: skip
 
 
-def span_groups(layer, step: dict, total_q: int, total_k: int) -> SpanGroups | None:
+def span_groups(
+    layer, step: dict, total_q: int, total_k: int, fused: bool | None = None
+) -> SpanGroups | None:
     """The step's :class:`SpanGroups` from :func:`intervals.step_tensors`' tensors, or None when
-    it has no group (then plans carry nothing more than intervals)."""
+    it has no group (then plans carry nothing more than intervals).
+
+    The span table and the extents come from the host in step_tensors' copy (group_tables.py);
+    the ids take one launch with ``fused`` (groups_triton.py; default on CUDA, as for
+    ``compute_intervals``), else :func:`group_ids_torch`, the definition. Neither syncs."""
     if layer.spans == "off" or "span_group" not in step:
         return None
+    if fused is None:
+        fused = fuses(step)
+    if fused:
+        from .groups_triton import group_ids_triton
+
+        q_group, k_group = group_ids_triton(step, total_q, total_k)
+    else:
+        q_group, k_group = group_ids_torch(step, total_q, total_k)
+    groups = SpanGroups(q_group, k_group, step["group_spans"], layer.spans == "clamp", step["num_groups"])
+    # the cached property's value, known on the host (a copy made by ``replace`` computes its own)
+    object.__setattr__(groups, "extents", step["group_extents"])
+    return groups
+
+
+def group_ids_torch(step: dict, total_q: int, total_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q_group, k_group``: int32 ``[total_q]``, ``[total_k]``, the ``span_group`` of the span
+    holding each packed query and key (positions as intervals.py counts them), -1 outside spans."""
     spans, group = step["spans"], step["span_group"].long()
     cu_q, cu_k, kv_len = step["cu_seqlens_q"].long(), step["cu_seqlens_k"].long(), step["kv_len"].long()
 
@@ -149,13 +172,7 @@ def span_groups(layer, step: dict, total_q: int, total_k: int) -> SpanGroups | N
     rows_k = torch.arange(total_k, device=cu_k.device)
     q_group = group_of(cu_q, total_q, lambda seq: rows_q + (kv_len - cu_q[1:])[seq])
     k_group = group_of(cu_k, total_k, lambda seq: rows_k - cu_k[seq])
-    sp = spans.long()
-    grouped = (group >= 0).nonzero().flatten()
-    seq, s, e, g = sp[grouped, 0], sp[grouped, 1], sp[grouped, 2], group[grouped]
-    start, end = s + cu_k[seq], torch.minimum(e, kv_len[seq] - 1) + cu_k[seq]
-    order = torch.argsort(g * BIG + start)
-    table = torch.stack([g, start, end], 1)[order].to(torch.int32)
-    return SpanGroups(q_group, k_group, table, layer.spans == "clamp", step["num_groups"])
+    return q_group, k_group
 
 
 def tile_runs(

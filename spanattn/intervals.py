@@ -18,6 +18,7 @@ import importlib.util
 
 import torch
 
+from .group_tables import group_tables
 from .spec import Batch, LayerMask
 
 
@@ -28,7 +29,8 @@ def step_tensors(batch: Batch, device) -> dict[str, torch.Tensor]:
     Keys: q_len, kv_len, causal, cu_seqlens_q, cu_seqlens_k ([n + 1]), spans ([m, 3]: seq, s, e;
     only spans that start inside the chunk: later ones hold no query of this step). A step with
     span groups (``Batch.has_span_groups``) also has span_group ([m]: the group's id in the
-    step or -1, ``Batch.span_rows``) and num_groups (an int).
+    step or -1, ``Batch.span_rows``), num_groups (an int), and ``group_tables``' group_spans
+    ([m', 3]: group, first and last key row) and group_extents ([num_groups, 2]).
     """
     seqs = batch.seqs
     cu_q, cu_k = [0], [0]
@@ -41,7 +43,8 @@ def step_tensors(batch: Batch, device) -> dict[str, torch.Tensor]:
     parts = (*per_seq, cu_q, cu_k, spans)
     groups = [g for *_, g in rows] if batch.has_span_groups else []
     if groups:
-        parts += (groups,)
+        tables = group_tables(rows, cu_k, per_seq[1])
+        parts += (groups, *([x for row in t for x in row] for t in tables))
     # Every part starts on 16 bytes: kernels specialize on pointer alignment, so offsets that
     # moved with the number of sequences would compile a kernel twice.
     padded = [x + [0] * (-len(x) % 4) for x in parts]
@@ -50,7 +53,8 @@ def step_tensors(batch: Batch, device) -> dict[str, torch.Tensor]:
     keys = ("q_len", "kv_len", "causal", "cu_seqlens_q", "cu_seqlens_k")
     step = dict(zip(keys, views[:5]), spans=views[5].view(-1, 3))
     if groups:
-        step.update(span_group=views[6], num_groups=max(groups) + 1)
+        table, extents = views[7].view(-1, 3), views[8].view(-1, 2)
+        step.update(span_group=views[6], group_spans=table, group_extents=extents, num_groups=len(extents))
     return step
 
 
@@ -60,6 +64,12 @@ def seq_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     searchsorted, not repeat_interleave: the latter costs ~20 ms on CPU whatever the size."""
     rows = torch.arange(total, device=cu_seqlens.device)
     return torch.searchsorted(cu_seqlens[1:].long(), rows, right=True)
+
+
+def fuses(step: dict) -> bool:
+    """Do planning's Triton launches replace their torch definitions by default? On CUDA with
+    triton installed: there the torch versions are launch-bound."""
+    return step["kv_len"].device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
 def compute_intervals(
@@ -73,7 +83,7 @@ def compute_intervals(
     :func:`intervals_torch`, the definition.
     """
     if fused is None:
-        fused = step["kv_len"].device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        fused = fuses(step)
     if fused:
         from .intervals_triton import intervals_triton
 

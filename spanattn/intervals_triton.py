@@ -7,7 +7,8 @@ tiny kernels, launch-bound at 0.3-0.8 ms per step. One program per ``BLOCK`` pac
 - the query's sequence: binary search over ``cu_seqlens_q`` (sequences are never empty, so
   the last ``r`` with ``cu_q[r] <= token``);
 - the span that may hold it: binary search over all spans of the step, ordered by
-  ``(seq, start)``: the last one at or before ``(r, q)``; it holds ``q`` if same seq and ``q <= e``;
+  ``(seq, start)``: the last one at or before ``(r, q)`` (``triton_search.span_at``); it holds
+  ``q`` if same seq and ``q <= e``;
 - then the formulas of intervals.py, line for line.
 
 Nothing that changes between steps is a compile-time constant: lengths, counts and the window
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .spec import LayerMask
-from .triton_search import seq_of_rows
+from .triton_search import seq_of_rows, span_at
 
 SPAN_MODE = {"off": 0, "on": 1, "clamp": 2}
 # every scalar whose value changes from step to step
@@ -65,21 +66,7 @@ def _intervals_kernel(
         hi = tl.where(causal, q, last)
 
     if MODE != 0:
-        # count of spans with (seq, start) <= (r, q): half-open [a, b) narrowed to its bound;
-        # span_steps = bit_length(num_spans) suffices, and once a == b the loads are masked off
-        a = tl.zeros([BLOCK], dtype=tl.int32)
-        b = tl.zeros([BLOCK], dtype=tl.int32) + num_spans
-        step = 0
-        while step < span_steps:
-            mid = (a + b) // 2
-            open_ = a < b
-            s_seq = tl.load(spans_ptr + mid * 3, mask=open_, other=0)
-            s_start = tl.load(spans_ptr + mid * 3 + 1, mask=open_, other=0)
-            before = (s_seq < seq) | ((s_seq == seq) & (s_start <= q))
-            a = tl.where(open_ & before, mid + 1, a)
-            b = tl.where(open_ & ~before, mid, b)
-            step += 1
-        j = a - 1
+        j = span_at(spans_ptr, seq, q, num_spans, span_steps, BLOCK)
         found = (j >= 0) & valid
         s_seq = tl.load(spans_ptr + j * 3, mask=found, other=-1)
         s = tl.load(spans_ptr + j * 3 + 1, mask=found, other=0)

@@ -4,17 +4,21 @@ neither read a device value on the host (``aten._local_scalar_dense``: a sync) n
 from Python data (``aten.lift_fresh``: ``torch.tensor(...)`` or ``x[i] = 1``, a copy from pageable
 host memory). Both run fine eagerly, so on a GPU only the capture would fail; recording the ops
 the step dispatches tells on any machine. (The triton kernels run under TRITON_INTERPRET=1; the
-checks that read values on the host skip themselves while a capture runs.)"""
+checks that read values on the host skip themselves while a capture runs.) A host plan of a step
+with span groups (``sa.plan``) copies its description once and then never waits for the device
+either: no sync and no ``nonzero`` (whose output size the host must read)."""
 
 import collections
 
 import pytest
 import torch
-from test_device_planner import DECODE, LAYER, MIXED, inputs, planner_for
+from test_device_planner import DECODE, DEV, LAYER, MIXED, inputs, planner_for
 from test_paged import paged_step
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import spanattn as sa
+from spanattn import groups, intervals
+from spanattn.scenarios import group_check_step
 
 REFUSED = ("aten._local_scalar_dense", "aten.lift_fresh")
 
@@ -52,3 +56,22 @@ def test_a_device_planned_step_neither_syncs_nor_copies_from_the_host(batch, max
             sa.attention(q, k_cache, v_cache, plan, block_table=bt, backend="triton")
     assert record.ops["aten.empty_strided"] + record.ops["aten.empty"] > 0  # it did record the step
     assert {op: record.ops[op] for op in REFUSED} == dict.fromkeys(REFUSED, 0)
+
+
+SYNCS = ("aten._local_scalar_dense", "aten.nonzero")  # a value read on the host; a size read there
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "triton"])
+def test_planning_a_grouped_step_never_syncs(fused, monkeypatch):
+    """``sa.plan`` of a step with span groups waits for the device nowhere, with the Triton
+    launches it takes on CUDA (``fused``; on CPU in the interpreter) or the torch definitions."""
+    if fused:
+        pytest.importorskip("triton")
+    for module in (intervals, groups):
+        monkeypatch.setattr(module, "fuses", lambda step: fused)
+    batch, layers = group_check_step()
+    with Record() as record:
+        plans = [sa.plan(batch, layer, DEV) for layer in layers.values()]
+    assert all(p.groups is not None for p in plans)
+    assert record.ops["aten.empty_strided"] + record.ops["aten.empty"] + record.ops["aten.arange"] > 0
+    assert {op: record.ops[op] for op in SYNCS} == dict.fromkeys(SYNCS, 0)

@@ -136,6 +136,11 @@ def test_step_tensors_start_on_16_bytes_whatever_the_batch_size():
         assert all(t.data_ptr() % 16 == 0 for t in parts.values())
         assert parts["cu_seqlens_k"].tolist() == [sum(9 + j for j in range(i)) for i in range(n + 1)]
         assert parts["spans"].tolist() == [[i, 0, 1] for i in range(n) if i % 2]
+        # with span groups (group ids, the group span table and extents: 1..n rows each)
+        grouped = sa.Batch([sa.Seq(q_len=9 + i, spans=[(0, 1, 0), (3, 4 + i % 3, 0)]) for i in range(n)])
+        parts = step_tensors(grouped, torch.device("cpu"))
+        assert parts["num_groups"] == n and parts["group_extents"].shape == (n, 2)
+        assert all(t.data_ptr() % 16 == 0 for t in parts.values() if isinstance(t, torch.Tensor))
 
 
 @settings(max_examples=60, deadline=None)

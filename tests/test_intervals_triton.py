@@ -93,6 +93,25 @@ STEPS = [  # different lengths, sequence counts and span counts (none, one, many
 ]
 
 
+def compile_keys(kernel, launches) -> tuple[list[str], list[str]]:
+    """The key Triton would compile each launch's ``(args, constexprs)`` under, with the
+    kernel's own options and with Triton's defaults, read with Triton's binder (internals: the
+    test skips if they moved). The interpreter compiles nothing, so this stands in for the
+    device cache on CPU."""
+    try:
+        from triton.backends.compiler import BaseBackend
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+
+        def keys(**options):
+            jit = JITFunction(kernel.fn, **options)
+            binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
+            return [str(binder(*args, **constexprs)[1]) for args, constexprs in launches]
+
+        return keys(**kernel.kwargs), keys()
+    except (ImportError, AttributeError, TypeError) as e:
+        pytest.skip(f"Triton's specialization internals changed: {e}")
+
+
 def test_steps_share_one_compiled_kernel():
     """Lengths and counts are runtime values: a new step never compiles a new kernel."""
     layer = sa.LayerMask(window=16, spans="clamp")
@@ -105,24 +124,11 @@ def test_steps_share_one_compiled_kernel():
             sa.plan(batch, layer, DEV)
         assert len(compiled) == size
         return
-    # The interpreter compiles nothing; read the key Triton would compile under instead, with
-    # Triton's binder for this kernel (internals: skip if they moved).
-    try:
-        from triton.backends.compiler import BaseBackend
-        from triton.runtime.jit import JITFunction, create_function_from_signature
-
-        def keys(**options):
-            jit = JITFunction(kernel.fn, **options)
-            binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
-            out = []
-            for batch in STEPS:
-                step, q = step_tensors(batch, DEV), torch.empty(batch.total_q, dtype=torch.int32)
-                _, args, constexprs = intervals_triton.launch_args(layer, step, batch.total_q, q, q.clone())
-                out.append(str(binder(*args, **constexprs)[1]))
-            return out
-
-        ours, default = keys(**kernel.kwargs), keys()
-    except (ImportError, AttributeError, TypeError) as e:
-        pytest.skip(f"Triton's specialization internals changed: {e}")
+    launches = []
+    for batch in STEPS:
+        step, q = step_tensors(batch, DEV), torch.empty(batch.total_q, dtype=torch.int32)
+        _, args, constexprs = intervals_triton.launch_args(layer, step, batch.total_q, q, q.clone())
+        launches.append((args, constexprs))
+    ours, default = compile_keys(kernel, launches)
     assert len(set(ours)) == 1
     assert len(set(default)) > 1  # without do_not_specialize these steps would recompile
