@@ -109,9 +109,9 @@ def auto_declines(q, plan, **opts) -> str | None:
       without one (measured on the H200: chunks with images + decode rows + canvases ran 1.02x
       (global) and 1.29x (sliding) triton's time on fa4 with the query copy alone);
     - steps with span groups: the group ``mask_mod`` reads a key's group per score on every
-      PARTIAL tile; on the H200's 64-frame video steps fa4 ran 0.96x triton's time on the
-      global layer but 1.07x on the clamped one, and its group tables took 8 ms to build
-      against triton's 3-4 (results/2026-12-01-groups-fa4-h200.json).
+      PARTIAL tile; on the H200's 64-frame video steps fa4 ran 0.98x triton's time on the
+      global layer but 1.07x on the clamped one, and its group tables took 5.2-5.5 ms to build
+      against triton's 2.4-2.7 (results/2026-12-01-groups-all-backends-h200.json).
     """
     try:
         from .triton.decode import MAX_Q_LEN
