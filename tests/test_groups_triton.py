@@ -5,7 +5,6 @@ definition; without a GPU the kernel runs in Triton's interpreter on CPU tensors
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 
 import pytest
@@ -16,20 +15,14 @@ if not torch.cuda.is_available():  # set before triton loads (conftest.py does i
 from hypothesis import given, settings
 from strategies import grouped_batches, layers
 from test_intervals_triton import compile_keys
+from triton_cpu import DEV, load
 
 import spanattn as sa
 from spanattn.groups import span_groups
 from spanattn.intervals import step_tensors
 from spanattn.scenarios import group_check_step, video_scenarios
 
-pytest.importorskip("triton")
-from spanattn import groups_triton  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
-if DEV == "cpu" and type(groups_triton._group_ids_kernel).__name__ != "InterpretedFunction":
-    importlib.reload(groups_triton)  # imported before the interpreter was switched on
+groups_triton = load("groups_triton", "_group_ids_kernel")
 
 FIELDS = ("q_group", "k_group", "spans", "extents")
 

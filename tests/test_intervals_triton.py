@@ -3,7 +3,6 @@ definition exactly; without a GPU the kernel runs in Triton's interpreter on CPU
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -13,18 +12,12 @@ if not torch.cuda.is_available():  # set before triton loads (conftest.py does i
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from hypothesis import given, settings
 from strategies import batches, layers
+from triton_cpu import DEV, load
 
 import spanattn as sa
 from spanattn.intervals import compute_intervals, intervals_torch, step_tensors
 
-pytest.importorskip("triton")
-from spanattn import intervals_triton  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
-if DEV == "cpu" and type(intervals_triton._intervals_kernel).__name__ != "InterpretedFunction":
-    importlib.reload(intervals_triton)  # imported before the interpreter was switched on
+intervals_triton = load("intervals_triton", "_intervals_kernel")
 
 
 def assert_same(batch: sa.Batch, layer: sa.LayerMask):
