@@ -5,11 +5,12 @@ layer of the step reuses it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .columns import INFO
+from .group_walk import group_walk
 
 
 @dataclass(frozen=True)
@@ -19,12 +20,15 @@ class TileSchedule:
     and its key walk for ``block_n``-key tiles: ``[kv_start, kv_end)`` with the FULL tiles in
     ``[full_start, full_end)`` (DESIGN.md section 1; the bounds are multiples of ``block_n``
     except ``kv_end``). ``tile_cost``: keys each tile walks (``max hi - min lo + 1``, widened to
-    the keys of its rows' span groups)."""
+    the keys of its rows' span groups). ``walk``: for a plan with span groups, int32
+    ``[num_tiles, len(WALK)]`` in the same order, the Gluon kernels' walk outside each tile's
+    interval range (group_walk.py); None without groups."""
 
     block_m: int
     block_n: int
     info: torch.Tensor
     tile_cost: torch.Tensor
+    walk: torch.Tensor | None = None
 
     @property
     def num_tiles(self) -> int:
@@ -82,6 +86,8 @@ def build_schedule(plan, block_m: int, block_n: int, lpt: bool = True) -> TileSc
         last = reduce(torch.where(grouped, ext[:, 1], -1), "amax", -1)
         low = lo_min if g.clamp else torch.minimum(lo_min, first)
         cost = (torch.maximum(hi_max, last) - low + 1).to(torch.int32)
+        sched = ordered(block_m, block_n, info, cost, lpt)
+        return replace(sched, walk=group_walk(plan, sched))
     return ordered(block_m, block_n, info, cost, lpt)
 
 
@@ -142,9 +148,12 @@ def build_device_schedule(plan, block_m: int, block_n: int, lpt: bool = True, ou
     return out
 
 
-def ordered(block_m, block_n, info, cost, lpt: bool) -> TileSchedule:
-    """The schedule with its tiles heaviest first (``lpt``) or in sequence order."""
+def ordered(block_m, block_n, info, cost, lpt: bool, walk=None) -> TileSchedule:
+    """The schedule with its tiles heaviest first (``lpt``) or in sequence order; ``walk``'s rows
+    follow their tiles."""
     if lpt:
         order = torch.argsort(cost, descending=True, stable=True)
         info, cost = info[order], cost[order]
-    return TileSchedule(block_m, block_n, info.contiguous(), cost.contiguous())
+        walk = None if walk is None else walk[order]
+    walk = None if walk is None else walk.contiguous()
+    return TileSchedule(block_m, block_n, info.contiguous(), cost.contiguous(), walk)
