@@ -312,7 +312,7 @@ def forward(
             _gluon_module(GLUON_KERNELS[(d, gcfg.block_m)]).launch(
                 q, k, v, plan, sched, out, lse, qk_scale, softcap_log2, bool(softcap), gcfg.num_stages,
                 block_table=block_table if gluon_pages else None, page_size=page_size or 0,
-                groups=gluon_group_args(plan, sched, lpt),
+                groups=gluon_group_args(plan, sched),
             )  # fmt: skip
             return out, lse
         if config is not None:
@@ -357,18 +357,16 @@ def group_args(plan, block_n: int) -> tuple:
     return g.q_group, g.k_group, index, runs
 
 
-def gluon_group_args(plan, sched, lpt: bool = True) -> tuple | None:
-    """The Gluon kernels' span group tensors (group_walk.py) for ``sched`` (the plan's schedule
-    for its tiles and ``lpt``), cached on the plan: query groups, key groups, key tile groups and
-    the schedule's group walk; None for a plan without groups."""
+def gluon_group_args(plan, sched) -> tuple | None:
+    """The Gluon kernels' span group tensors (group_walk.py) for ``sched`` (the plan's schedule,
+    which carries its group walk): query groups, key groups, key tile groups (cached on the plan)
+    and the walk; None for a plan without groups."""
     g = plan.groups
     if g is None:
         return None
-    from .group_walk import group_walk, key_tile_groups
+    from .key_tile_groups_triton import plan_key_tile_groups
 
-    key = ("triton.gluon_groups", sched.block_m, sched.block_n, lpt)
-    walk, tiles = plan.cached(key, lambda: (group_walk(plan, sched), key_tile_groups(g, sched.block_n)))
-    return g.q_group, g.k_group, tiles, walk
+    return g.q_group, g.k_group, plan_key_tile_groups(plan, sched.block_n), sched.walk
 
 
 __all__ = ["Config", "forward", "prepare", "unavailable"]
