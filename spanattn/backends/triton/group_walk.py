@@ -14,6 +14,10 @@ tokens would cost those tiles too.
 A key tile whose keys all belong to one group but for one run in no group (``key_tile_groups``:
 a video frame and the timestamp text beside it) is masked by a row compare and a column compare,
 not by a lookup per key: outside the interval walk a row sees the tile's group keys or none.
+
+Both functions here are the definitions, in torch ops (launch-bound on a GPU); on CUDA the
+schedule launch writes the walk (schedule_triton.py) and key_tile_groups_triton.py builds the
+key tile groups, each in one launch, held equal to these by the tests.
 """
 
 from __future__ import annotations
