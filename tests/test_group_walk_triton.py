@@ -5,7 +5,6 @@ run in Triton's interpreter on CPU tensors."""
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -17,23 +16,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import grouped_batches, layers
 from test_intervals_triton import compile_keys
+from triton_cpu import DEV, load
 
 import spanattn as sa
 from spanattn.scenarios import group_check_step, video_scenarios
 
-pytest.importorskip("triton")
+ktg = load("backends.triton.key_tile_groups_triton", "_key_tile_groups_kernel")
+schedule_triton = load("backends.triton.schedule_triton", "_tile_info_kernel")
 from spanattn.backends import triton as tb  # noqa: E402
-from spanattn.backends.triton import key_tile_groups_triton as ktg  # noqa: E402
-from spanattn.backends.triton import schedule_triton  # noqa: E402
 from spanattn.backends.triton.group_walk import group_walk, key_tile_groups  # noqa: E402
 from spanattn.backends.triton.schedule import build_schedule  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
-if DEV == "cpu" and type(ktg._key_tile_groups_kernel).__name__ != "InterpretedFunction":
-    importlib.reload(ktg)  # imported before the interpreter was switched on
-    importlib.reload(schedule_triton)
 
 TILES = [(128, 128), (128, 64), (64, 32), (16, 16)]
 
