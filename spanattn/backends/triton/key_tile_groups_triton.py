@@ -58,6 +58,8 @@ def key_tile_groups_triton(groups, block_n: int, block: int | None = None) -> to
 def plan_key_tile_groups(plan, block_n: int) -> torch.Tensor:
     """The key tile groups of ``plan.groups`` for ``block_n``-key tiles, built once per plan
     (every layer of the step and every schedule of that key tile size reuse them)."""
+    if block_n > 255:  # a run's end offset b must fit the code's 8 bits
+        raise ValueError(f"key tile groups encode offsets in 8 bits: block_n must be <= 255, got {block_n}")
     g = plan.groups
     build = key_tile_groups_triton if plan.device.type == "cuda" else key_tile_groups
     return plan.cached(("triton.key_tile_groups", block_n), lambda: build(g, block_n))
