@@ -42,3 +42,17 @@ def test_gpu_groups_small(tmp_path, capsys):
     (v1,) = [s for s in data["summary"] if s["scenario"] == "V1" and s["backend"] == "sdpa"]
     assert v1["vs_flex_create_block_mask"] > 0 and v1["per_pair_vs_without_groups"] > 0
     assert path.with_suffix(".png").exists() and "summary" in capsys.readouterr().out
+
+
+def test_group_planning_small(tmp_path):
+    """benchmarks/group_planning.py on CPU at 1/32 size: every piece timed, the launches held
+    equal to their definitions, the JSON written."""
+    spec = importlib.util.spec_from_file_location("group_planning", ROOT / "benchmarks" / "group_planning.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*-group-planning-cpu.json")
+    rows = {r["scenario"]: r for r in json.loads(path.read_text())["rows"]}
+    assert set(rows) == {"V1", "V1-plain", "V2", "V2-plain"}
+    assert all(rows[s]["key_tile_groups_launch_ms"] > 0 for s in ("V1", "V2"))
+    assert "span_groups_ms" not in rows["V1-plain"]
