@@ -1,5 +1,5 @@
 """Span groups for the Gluon kernels: each schedule tile's walk outside its interval range, and
-which key tiles lie whole inside one group.
+which key tiles hold one group's keys (beside at most one run of keys in no group).
 
 kernel.py walks a group's keys beyond a tile's interval range run by run (groups.tile_runs),
 once per group of the tile's rows. The Gluon kernels' producer and consumers must agree on one
