@@ -89,12 +89,18 @@ def _group_rows(groups: SpanGroups, alo, ahi, kv_len, BLOCK_M, BLOCK_N, touching
     """Add the rows of span groups to ``touching`` and ``covering`` (in place): for each such row
     and each KV block of its hull (interval and group), the allowed keys it has there, counted
     exactly (interval overlap + group keys outside the interval: ``SpanGroups.outside``).
-    O(group rows x blocks of their hulls)."""
+    Consecutive rows of one query block with the same group and interval count alike, so each
+    such run is counted once, weighted by its rows (a video frame's rows in a global layer share
+    one interval). O(runs x blocks of their hulls)."""
     rows = (groups.q_group >= 0).nonzero().flatten()
     if not rows.numel():
         return
-    g = groups.q_group[rows].long()
-    lo, hi = alo[rows], ahi[rows]
+    kind = torch.stack([rows // BLOCK_M, groups.q_group[rows].long(), alo[rows], ahi[rows]], 1)
+    first = torch.ones(len(kind), dtype=torch.bool, device=kind.device)
+    first[1:] = (kind[1:] != kind[:-1]).any(1)
+    starts = first.nonzero().flatten()
+    weight = torch.diff(starts, append=starts.new_tensor([len(kind)]))
+    block, g, lo, hi = (c.contiguous() for c in kind[starts].unbind(1))
     ext = groups.extents.long()[g]
     nb0 = torch.minimum(lo, ext[:, 0]) // BLOCK_N
     nb1 = torch.maximum(hi, ext[:, 1]) // BLOCK_N
@@ -106,9 +112,10 @@ def _group_rows(groups: SpanGroups, alo, ahi, kv_len, BLOCK_M, BLOCK_N, touching
     lo, hi, g = lo[:, None], hi[:, None], g[:, None].expand_as(n)
     inter = (torch.minimum(b1, hi) - torch.maximum(b0, lo) + 1).clamp_min(0)
     count = inter + groups.outside(g, lo.expand_as(n), hi.expand_as(n), b0, b1)
-    cell = ((rows // BLOCK_M)[:, None].expand_as(n)[valid], n[valid])
-    touching.index_put_(cell, (count > 0)[valid].to(torch.int32), accumulate=True)
-    covering.index_put_(cell, (count == BLOCK_N)[valid].to(torch.int32), accumulate=True)
+    cell = (block[:, None].expand_as(n)[valid], n[valid])
+    weight = weight.to(torch.int32)[:, None]
+    touching.index_put_(cell, ((count > 0).to(torch.int32) * weight)[valid], accumulate=True)
+    covering.index_put_(cell, ((count == BLOCK_N).to(torch.int32) * weight)[valid], accumulate=True)
 
 
 def build_tile_tables(
