@@ -104,8 +104,9 @@ def gluon_stats(cfg: Config, d: int, page: int = 0, groups: str = "") -> dict:
         elif name.endswith("_desc"):
             sig[name] = desc(module.ROWS.value if name == "q_desc" else min(page or cfg.block_n, cfg.block_n))
         else:
+            scalar = name.startswith("stride_") or "_head_" in name or name == "num_items"
             sig[name] = {"OUT": "*bf16", "LSE": "*fp32", "qk_scale": "fp32", "softcap_log2": "fp32"}.get(
-                name, "i32" if name.startswith("stride_") or "_head_" in name else "*i32"
+                name, "i32" if scalar else "*i32"
             )
     const = {
         "HQ": 16, "GROUP": 2, "HEAD_DIM": d, "BLOCK_N": cfg.block_n, "STAGES": cfg.num_stages,

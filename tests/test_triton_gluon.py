@@ -212,15 +212,48 @@ def test_span_groups(d, page, layer):
     assert_close_to_truth(out, lse, q, k, v, p, scale=d**-0.5)
 
 
+@hopper_only
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("programs", [1, 3, 7])
+def test_persistent_programs_walk_many_items(d, programs, monkeypatch):
+    """A persistent launch on fewer programs than work items (1, 3 or 7 "SMs": every program
+    takes many items, in both directions of the deal, the K/V ring's phases running on across
+    items) gives bit for bit what one program per item gives, with causal, windowed, span-group
+    and paged steps (NaN in unowned slots); and both meet the truth."""
+    from spanattn.backends import triton as tb
+    from spanattn.backends.triton import gluon_parts
+    from spanattn.backends.triton.configs import pick_gluon
+    from spanattn.cache import to_paged
+
+    one_per_item = replace(pick_gluon(d, torch.bfloat16), persistent=False)
+    monkeypatch.setattr(gluon_parts, "sm_count", lambda device: programs)
+    steps = [(LONG, LAYERS["causal"], None), (LONG, LAYERS["W37-clamp"], 64),
+             (GROUPED, GROUP_LAYERS["W24_clamp"], None), (GROUPED, GROUP_LAYERS["on"], 16)]  # fmt: skip
+    for batch, layer, page in steps:
+        p = sa.plan(batch, layer, device="cuda")
+        q, k, v = (t.cuda() for t in _qkv(p, 8, 2, torch.bfloat16, seed=11, d=d))
+        kv = (k, v, {}) if page is None else to_paged(k, v, p, page, fill=float("nan"))
+        opts = {} if page is None else {"block_table": kv[2]}
+        outs = []
+        for config in (None, one_per_item):
+            out = torch.full_like(q, float("nan"))
+            outs.append(tb.forward(q, kv[0], kv[1], p, scale=d**-0.5, return_lse=True, out=out,
+                                   config=config, **opts))  # fmt: skip
+        (out, lse), (out1, lse1) = outs
+        assert torch.equal(out, out1) and torch.equal(lse, lse1), (layer, page)
+        assert_close_to_truth(out, lse, q, k, v, p, scale=d**-0.5)
+
+
 @pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("grouped", [False, True], ids=["plain", "groups"])
-def test_launch_binds_every_kernel_argument(d, paged, grouped):
+def test_launch_binds_every_kernel_argument(d, paged, grouped, monkeypatch):
     """The host side of a launch, on any machine: the arguments it passes bind to the kernel's
-    signature (none missing, none extra) and the grid has one program per tile and head."""
+    signature (none missing, none extra) and the grid has one program per SM (persistent, here
+    5 SMs) or one per work item (query tile and head)."""
     import inspect
 
-    from spanattn.backends.triton import GLUON_KERNELS, _gluon_module
+    from spanattn.backends.triton import GLUON_KERNELS, _gluon_module, gluon_parts
     from spanattn.backends.triton.configs import pick_gluon
     from spanattn.backends.triton.schedule_triton import tile_schedule
 
@@ -243,12 +276,16 @@ def test_launch_binds_every_kernel_argument(d, paged, grouped):
     page = 256 if paged else 0
     groups = gluon_group_args(p, sched)
     assert (groups is not None) == grouped
-    module.launch.func(Recorder(), *module.launch.args[1:], q, k, v, p, sched, q.clone(), None,
-                       0.1, 1.0, False, cfg.num_stages, block_table=table, page_size=page,
-                       groups=groups)  # fmt: skip
-    ((grid, args, kwargs),) = calls
-    assert grid == (sched.num_tiles * 8,) and kwargs.pop("num_warps") == 4  # a launch option
+    monkeypatch.setattr(gluon_parts, "sm_count", lambda device: 5)
+    for persistent in (False, True):
+        module.launch.func(Recorder(), *module.launch.args[1:], q, k, v, p, sched, q.clone(), None,
+                           0.1, 1.0, False, cfg.num_stages, block_table=table, page_size=page,
+                           groups=groups, persistent=persistent)  # fmt: skip
+    (grid, args, kwargs), (grid_persistent, args_persistent, _) = calls
+    assert grid == (sched.num_tiles * 8,) and grid_persistent == (5,)
+    assert len(args) == len(args_persistent) and kwargs.pop("num_warps") == 4  # a launch option
     bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
+    assert bound.arguments["num_items"] == sched.num_tiles * 8
     assert bound.arguments["PAGE"] == page and bound.arguments["GROUP"] == 4
     assert bound.arguments["GROUPS"] == grouped and not bound.arguments["CLAMP"]
     if grouped:

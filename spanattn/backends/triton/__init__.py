@@ -312,7 +312,7 @@ def forward(
             _gluon_module(GLUON_KERNELS[(d, gcfg.block_m)]).launch(
                 q, k, v, plan, sched, out, lse, qk_scale, softcap_log2, bool(softcap), gcfg.num_stages,
                 block_table=block_table if gluon_pages else None, page_size=page_size or 0,
-                groups=gluon_group_args(plan, sched),
+                groups=gluon_group_args(plan, sched), persistent=gcfg.persistent,
             )  # fmt: skip
             return out, lse
         if config is not None:

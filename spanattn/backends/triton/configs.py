@@ -22,6 +22,9 @@ class Config:
     tma: bool = False  # packed K/V tiles through TMA descriptors (sm_90+, head_dim a power of two)
     # a Gluon kernel's tiles (GLUON_CONFIGS): block_m, block_n and num_stages hold, the rest not
     gluon: bool = False
+    # a Gluon kernel's launch: one program per SM taking work items in turn, each item's Q and
+    # first K/V loaded under the previous item's last P @ V and stores (False: one program per item)
+    persistent: bool = True
 
 
 # Hopper (H200) choices from benchmarks/gpu_triton.py's sweep (benchmarks/results/

@@ -79,11 +79,12 @@ def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
 
 def launch(kernel, tile_rows: int, q_rows: int, pieces: int, q, k, v, plan, sched, out, lse,
            qk_scale: float, softcap_log2: float, softcap: bool, stages: int, block_table=None,
-           page_size: int = 0, groups: tuple | None = None) -> None:  # fmt: skip
+           page_size: int = 0, groups: tuple | None = None, persistent: bool = True) -> None:  # fmt: skip
     """Launch Gluon ``kernel`` (``attn_fwd_gluon``'s arguments) over ``q [total_q, Hq, D]`` and
     ``k, v [total_k, Hkv, D]`` (see ``uses_gluon``), or flat paged caches ``k, v [num_pages *
-    page_size, Hkv, D]`` read through ``block_table``: one program per ``tile_rows``-query tile of
-    the schedule and head, Q read in ``q_rows``-row boxes, K/V tiles in ``pieces`` boxes side by
+    page_size, Hkv, D]`` read through ``block_table``: a work item per ``tile_rows``-query tile
+    of the schedule and head, one program per SM taking items in turn (``persistent``; else one
+    program per item), Q read in ``q_rows``-row boxes, K/V tiles in ``pieces`` boxes side by
     side (of ``block_n`` rows, or ``min(page_size, block_n)`` over pages). ``groups``: the plan's
     span groups as (query groups, key groups, key tile groups, the schedule's group walk), see
     group_walk.py; None without."""
@@ -92,9 +93,11 @@ def launch(kernel, tile_rows: int, q_rows: int, pieces: int, q, k, v, plan, sche
     kv_rows = min(page_size, sched.block_n) if block_table is not None else sched.block_n
     boxes, heads_at = descriptors(q, k, v, q_rows, kv_rows, d // pieces)
     paged = (block_table, block_table.stride(0)) if block_table is not None else (plan.seq_lens, 0)
-    kernel[(sched.num_tiles * hq,)](
+    items = sched.num_tiles * hq
+    programs = min(items, sm_count(q.device)) if persistent else items
+    kernel[(max(programs, 1),)](
         *boxes, out, lse if lse is not None else out, plan.lo, plan.hi, sched.info, out.stride(0),
-        out.stride(1), qk_scale, softcap_log2, *heads_at, *paged, *(groups or (plan.lo,) * 4),
+        out.stride(1), qk_scale, softcap_log2, *heads_at, *paged, *(groups or (plan.lo,) * 4), items,
         HQ=hq, GROUP=hq // k.shape[1], HEAD_DIM=d, BLOCK_N=sched.block_n, STAGES=stages,
         SOFTCAP=softcap, RETURN_LSE=lse is not None, N_INFO=len(INFO),
         PAGE=page_size if block_table is not None else 0, GROUPS=groups is not None,
@@ -103,21 +106,47 @@ def launch(kernel, tile_rows: int, q_rows: int, pieces: int, q, k, v, plan, sche
     )  # fmt: skip
 
 
+@functools.cache  # a device property query costs microseconds of host time per call
+def sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 @gluon.jit
-def tile_walk(TILE_INFO, BT, stride_bt, WALK_INFO, HQ: gl.constexpr, GROUP: gl.constexpr,
-              N_INFO: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
+def rounds(num_items):
+    """How many work items each program of a launch takes in turn (``work_item``)."""
+    return gl.cdiv(num_items, gl.num_programs(0))
+
+
+@gluon.jit
+def work_item(r):
+    """This program's work item in round ``r`` (query tile x head: ``item // HQ`` is the tile
+    of the schedule, heaviest first): items dealt to the programs forward on even rounds and
+    backward on odd ones, so that the programs' totals even out (dealt forward every round, the
+    first program would take the heaviest item of each). With one program per item, item =
+    program. Past the last item: none (``tile_walk`` gives it no key tiles)."""
+    pid = gl.program_id(0)
+    last = gl.num_programs(0) - 1
+    lane = gl.where(r % 2 == 0, pid, last - pid)
+    return r * (last + 1) + lane
+
+
+@gluon.jit
+def tile_walk(TILE_INFO, BT, stride_bt, WALK_INFO, item, num_items, HQ: gl.constexpr,
+              GROUP: gl.constexpr, N_INFO: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
               GROUPS: gl.constexpr):  # fmt: skip
-    """This program's head, its KV head, and its query tile's row of the schedule table
+    """Work item ``item``'s head, its KV head, and its query tile's row of the schedule table
     (columns.INFO), read in one round: the tile's first and last query rows, its sequence's first
     key row (packed) and length, the interval walk from ``kv_start`` with FULL tiles in
     ``[full_start, full_end)``, where the tile across the sequence end starts (``tma_last``:
     shifted back to end with the sequence on packed K/V, read in place over pages), the
     sequence's page numbers, and the whole walk: ``num_tiles`` key tiles, of which ``n_pre``
     from ``pre_start`` come first and those after ``n_pre + n_main`` from ``post_start`` (span
-    groups, columns.WALK; without, the interval walk alone)."""
-    pid = gl.program_id(0)
-    head = pid % HQ
-    info = TILE_INFO + (pid // HQ) * N_INFO
+    groups, columns.WALK; without, the interval walk alone). No key tiles for an item past
+    ``num_items`` or a device plan's empty tile (its interval walk ends before it starts)."""
+    live = item < num_items
+    item = gl.minimum(item, num_items - 1)
+    head = item % HQ
+    info = TILE_INFO + (item // HQ) * N_INFO
     q_row0 = gl.load(info + Q_ROW0)
     q_row_last = gl.load(info + Q_ROW_LAST)
     tma_row0 = gl.load(info + K_ROW0)
@@ -137,11 +166,13 @@ def tile_walk(TILE_INFO, BT, stride_bt, WALK_INFO, HQ: gl.constexpr, GROUP: gl.c
     post_start = n_pre
     num_tiles = n_main
     if GROUPS:
-        walk_row = WALK_INFO + (pid // HQ) * N_WALK
+        walk_row = WALK_INFO + (item // HQ) * N_WALK
         pre_start = gl.load(walk_row + PRE_START)
         n_pre = gl.load(walk_row + PRE_TILES)
         post_start = gl.load(walk_row + POST_START)
         num_tiles = n_pre + n_main + gl.load(walk_row + POST_TILES)
+    num_tiles = gl.where(live & (n_main > 0), num_tiles, 0)
+    q_row_last = gl.where(live, q_row_last, -1)  # an item past the last stores nothing
     walk = (q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, num_tiles)
     return (head, head // GROUP) + walk + (pages, n_pre, pre_start, n_main, post_start)
 
@@ -174,67 +205,90 @@ def key_tile_group(KT, n, kv_len, BLOCK_N: gl.constexpr, GROUPS: gl.constexpr):
 
 @gluon.jit
 def ring_barriers(STAGES: gl.constexpr):
-    """The mbarriers ``produce`` and the consumers share: Q's, the held-back last V tile's, and per
-    K (V) slot ``ready`` (the TMA transaction) and ``empty`` (one arrival per consumer)."""
+    """The mbarriers ``produce`` and the consumers share: Q's ``ready`` (the TMA transaction) and
+    ``empty`` (one arrival per consumer: its last Q @ K^T of the item is done), the held-back
+    last V tile's, and per K (V) slot ``ready`` and ``empty``."""
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     v_loaded = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_empty, count=2)
     mbarrier.init(v_loaded, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
-    return q_bar, v_loaded, k_ready, k_empty, v_ready, v_empty
+    return q_bar, q_empty, v_loaded, k_ready, k_empty, v_ready, v_empty
 
 
 @gluon.jit
-def produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-            v_empty, v_loaded, q_row0, q_col, num_tiles, kv_start, tma_row0, tma_last, kv_col,
-            pages, kv_len, n_pre, pre_start, n_main, post_start, Q_ROW_STEP: gl.constexpr,
-            Q_COL_STEP: gl.constexpr, PIECES: gl.constexpr, BLOCK_N: gl.constexpr,
-            STAGES: gl.constexpr, PAGE: gl.constexpr, GROUPS: gl.constexpr):  # fmt: skip
-    """The producer warp. Q once, as two boxes ``Q_ROW_STEP`` rows / ``Q_COL_STEP`` columns apart;
-    then K (V) tile ``t``, as ``PIECES`` boxes side by side, into K (V) slot ``t % STAGES`` (shared
-    memory index ``slot * PIECES + piece``) as soon as both consumers released the tile that held
-    it before, tiles in the walk's order (key_tile). Q rows past the sequence end read the next
-    rows (never stored). Packed K/V
-    (``PAGE`` 0): the tile across the sequence end is read shifted back to end with the sequence.
-    Paged K/V: see ``_load_tile``; that tile's values past the end are zeroed before the
-    consumers may read them (``v_loaded`` holds them back until then)."""
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    for i in gl.static_range(2):
-        tma_load(q_desc, [q_row0 + i * Q_ROW_STEP, q_col + i * Q_COL_STEP], q_bar, q_smem.index(i))
+def produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
+            v_ready, v_empty, v_loaded, TILE_INFO, BT, stride_bt, WALK_INFO, num_items, q_head_rows,
+            q_head_cols, kv_head_rows, kv_head_cols, HQ: gl.constexpr, GROUP: gl.constexpr,
+            N_INFO: gl.constexpr, Q_ROW_STEP: gl.constexpr, Q_COL_STEP: gl.constexpr,
+            PIECES: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE: gl.constexpr,
+            GROUPS: gl.constexpr):  # fmt: skip
+    """The producer warp, over this program's work items in turn. Per item: its Q, as two boxes
+    ``Q_ROW_STEP`` rows / ``Q_COL_STEP`` columns apart, once both consumers are done with the
+    previous item's (so it loads under their last P @ V and output stores); then K (V) tile
+    ``t`` of the walk, as ``PIECES`` boxes side by side, into K (V) slot ``c % STAGES`` (``c``
+    counts the program's tiles over all its items; shared memory index ``slot * PIECES +
+    piece``) as soon as both consumers released the tile that held it before, tiles in the
+    walk's order (key_tile), running ahead into the next item. Q rows past the sequence end read
+    the next rows (never stored). Packed K/V (``PAGE`` 0): the tile across the sequence end is
+    read shifted back to end with the sequence. Paged K/V: see ``_load_tile``; that tile's
+    values past the end are zeroed before the consumers may read them (``v_loaded`` holds them
+    back until then)."""
     boxes: gl.constexpr = PIECES * (BLOCK_N // k_desc.block_type.shape[0])
-    for t in range(num_tiles):
-        slot = t % STAGES
-        reuse = (t // STAGES - 1) & 1
-        n = key_tile(t, kv_start, n_pre, pre_start, n_main, post_start, BLOCK_N, GROUPS)
-        mbarrier.wait(k_empty.index(slot), reuse, pred=t >= STAGES)
-        mbarrier.expect(k_ready.index(slot), boxes * k_desc.block_type.nbytes)
-        _load_tile(k_desc, k_ready.index(slot), k_smem, slot, n, tma_row0, tma_last, kv_col, pages,
-                   kv_len, PIECES, BLOCK_N, PAGE)  # fmt: skip
-        mbarrier.wait(v_empty.index(slot), reuse, pred=t >= STAGES)
-        past_end = False
-        if PAGE != 0:
-            past_end = n + BLOCK_N > kv_len
-        if past_end:  # paged: keys past the end are masked, but their values must be finite
-            mbarrier.expect(v_loaded, boxes * v_desc.block_type.nbytes)
-            _load_tile(v_desc, v_loaded, v_smem, slot, n, tma_row0, tma_last, kv_col, pages,
-                       kv_len, PIECES, BLOCK_N, PAGE)  # fmt: skip
-            mbarrier.wait(v_loaded, 0)  # at most one such tile per program
-            _zero_rows_from(v_smem, slot, kv_len - n, PIECES, BLOCK_N)
-            fence_async_shared()  # generic-proxy stores before the consumers' MMAs read them
-            partition_barrier()
-            mbarrier.arrive(v_ready.index(slot))
-        else:
-            mbarrier.expect(v_ready.index(slot), boxes * v_desc.block_type.nbytes)
-            _load_tile(v_desc, v_ready.index(slot), v_smem, slot, n, tma_row0, tma_last, kv_col,
-                       pages, kv_len, PIECES, BLOCK_N, PAGE)  # fmt: skip
+    c = 0  # key tiles loaded, over all items
+    i = 0  # items loaded
+    ends = 0  # tiles held back by v_loaded
+    for r in range(rounds(num_items)):
+        head, kv_head, q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, \
+            num_tiles, pages, n_pre, pre_start, n_main, post_start = tile_walk(
+                TILE_INFO, BT, stride_bt, WALK_INFO, work_item(r), num_items, HQ, GROUP, N_INFO,
+                BLOCK_N, PAGE, GROUPS)  # fmt: skip
+        if num_tiles > 0:
+            mbarrier.wait(q_empty, (i - 1) & 1, pred=i > 0)
+            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+            for j in gl.static_range(2):
+                at = [q_row0 + head * q_head_rows + j * Q_ROW_STEP, head * q_head_cols + j * Q_COL_STEP]
+                tma_load(q_desc, at, q_bar, q_smem.index(j))
+            kv_row = tma_row0 + kv_head * kv_head_rows
+            kv_col = kv_head * kv_head_cols
+            for t in range(num_tiles):
+                slot = (c + t) % STAGES
+                reuse = ((c + t) // STAGES - 1) & 1
+                n = key_tile(t, kv_start, n_pre, pre_start, n_main, post_start, BLOCK_N, GROUPS)
+                mbarrier.wait(k_empty.index(slot), reuse, pred=c + t >= STAGES)
+                mbarrier.expect(k_ready.index(slot), boxes * k_desc.block_type.nbytes)
+                _load_tile(k_desc, k_ready.index(slot), k_smem, slot, n, kv_row, tma_last, kv_col,
+                           pages, kv_len, PIECES, BLOCK_N, PAGE)  # fmt: skip
+                mbarrier.wait(v_empty.index(slot), reuse, pred=c + t >= STAGES)
+                past_end = False
+                if PAGE != 0:
+                    past_end = n + BLOCK_N > kv_len
+                if past_end:  # paged: keys past the end are masked, but their values must be finite
+                    mbarrier.expect(v_loaded, boxes * v_desc.block_type.nbytes)
+                    _load_tile(v_desc, v_loaded, v_smem, slot, n, kv_row, tma_last, kv_col, pages,
+                               kv_len, PIECES, BLOCK_N, PAGE)  # fmt: skip
+                    mbarrier.wait(v_loaded, ends & 1)
+                    ends += 1
+                    _zero_rows_from(v_smem, slot, kv_len - n, PIECES, BLOCK_N)
+                    fence_async_shared()  # generic-proxy stores before the consumers' MMAs read them
+                    partition_barrier()
+                    mbarrier.arrive(v_ready.index(slot))
+                else:
+                    mbarrier.expect(v_ready.index(slot), boxes * v_desc.block_type.nbytes)
+                    _load_tile(v_desc, v_ready.index(slot), v_smem, slot, n, kv_row, tma_last,
+                               kv_col, pages, kv_len, PIECES, BLOCK_N, PAGE)  # fmt: skip
+            c += num_tiles
+            i += 1
 
 
 @gluon.jit
@@ -293,8 +347,9 @@ def consumer_start(LO, HI, QG, row0, q_row_last, dtype: gl.constexpr, ROWS: gl.c
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WIDTH, 16]
     )
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    # Rows past the sequence end copy the last row's interval (as in kernel.py).
-    q_idx = gl.minimum(row0 + gl.arange(0, ROWS, layout=rows_s), q_row_last)
+    # Rows past the sequence end copy the last row's interval (as in kernel.py); an item that
+    # stores nothing reads row 0's.
+    q_idx = gl.maximum(gl.minimum(row0 + gl.arange(0, ROWS, layout=rows_s), q_row_last), 0)
     lo = gl.load(LO + q_idx)
     hi = gl.load(HI + q_idx)
     gsel = lo
@@ -313,11 +368,12 @@ def consumer_start(LO, HI, QG, row0, q_row_last, dtype: gl.constexpr, ROWS: gl.c
 
 
 @gluon.jit
-def last_pv(acc, alpha, p, v_tile, v_ready, last, STAGES: gl.constexpr):
+def last_pv(acc, alpha, p, v_tile, v_ready, last, STAGES: gl.constexpr, live):
     """The last key tile's P @ V, deferred past the loop: ``acc`` rescaled, then ``p @ v_tile``
-    once tile ``last``'s values are in."""
+    once tile ``last``'s values are in (an item without key tiles, not ``live``, waits for
+    nothing and stores nothing: its product is never read)."""
     acc = acc * gl.expand_dims(alpha, 1)
-    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1, pred=live)
     acc = warpgroup_mma(p, v_tile, acc, is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=[acc])
 

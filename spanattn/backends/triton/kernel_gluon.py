@@ -6,7 +6,11 @@ pages of a paged cache) streams K and V tiles by TMA into two rings of ``STAGES`
 previous tile's P @ V. No barrier couples the two consumers: each releases a slot by arriving on
 its ``empty`` barrier, so one consumer's softmax overlaps the other's MMAs as well. K and V
 slots are released apart: a K slot as soon as its scores are computed, a V slot after the
-deferred P @ V, so that two stages keep the next tile's loads ahead of the MMAs.
+deferred P @ V, so that two stages keep the next tile's loads ahead of the MMAs. The launch is
+persistent: one program per SM takes work items (query tile x head) in turn (gluon_parts.
+work_item), and the producer loads an item's Q and first K/V tiles while the consumers finish
+the previous item's last P @ V and store its rows: on short walks (a sliding window, a chunk of
+a few thousand keys) those loads and stores weigh as much as several key tiles.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from .gluon_parts import (
     last_pv,
     produce,
     ring_barriers,
+    rounds,
     softmax_step,
     store_rows,
     tile_walk,
+    work_item,
 )
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
@@ -39,96 +45,106 @@ ZERO, ONE = gl.constexpr(0), gl.constexpr(1)
 
 
 @gluon.jit
-def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-             v_empty, OUT, LSE, LO, HI, QG, KG, KT, q_row0, q_row_last, head, num_tiles, kv_start,
-             full_start, full_end, tma_last, kv_len, n_pre, pre_start, n_main, post_start, qk_scale,
-             softcap_log2, stride_ot, stride_oh, HQ: gl.constexpr, HEAD_DIM: gl.constexpr,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
-             RETURN_LSE: gl.constexpr, GROUPS: gl.constexpr, CLAMP: gl.constexpr):  # fmt: skip
-    """Query rows ``PART * 64 ...`` of the tile: the online softmax in the log2 domain (as in
-    kernel._softmax), each tile's P @ V issued one tile late so that the next softmax runs
-    under it."""
+def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+             v_empty, OUT, LSE, LO, HI, QG, KG, KT, TILE_INFO, BT, stride_bt, WALK_INFO, num_items,
+             qk_scale, softcap_log2, stride_ot, stride_oh, HQ: gl.constexpr, GROUP: gl.constexpr,
+             N_INFO: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr,
+             PAGE: gl.constexpr, GROUPS: gl.constexpr, CLAMP: gl.constexpr):  # fmt: skip
+    """Query rows ``PART * 64 ...`` of each of this program's work items in turn: the online
+    softmax in the log2 domain (as in kernel._softmax), each tile's P @ V issued one tile late
+    so that the next softmax runs under it. ``c`` counts the program's key tiles over all its
+    items (the ring's slot and phase), ``i`` its items (Q's phase)."""
     dtype: gl.constexpr = q_smem.dtype
-    row0 = q_row0 + PART * ROWS
-    lo, hi, gsel, offs_n, m_i, l_i, alpha, acc, p, s_zero = consumer_start(
-        LO, HI, QG, row0, q_row_last, dtype, ROWS, BLOCK_N, HEAD_DIM, GROUPS
-    )
     q = q_smem.index(PART)
-    mbarrier.wait(q_bar, 0)
+    c = 0
+    i = 0
+    for r in range(rounds(num_items)):
+        head, kv_head, q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, \
+            num_tiles, pages, n_pre, pre_start, n_main, post_start = tile_walk(
+                TILE_INFO, BT, stride_bt, WALK_INFO, work_item(r), num_items, HQ, GROUP, N_INFO,
+                BLOCK_N, PAGE, GROUPS)  # fmt: skip
+        row0 = q_row0 + PART * ROWS
+        lo, hi, gsel, offs_n, m_i, l_i, alpha, acc, p, s_zero = consumer_start(
+            LO, HI, QG, row0, q_row_last, dtype, ROWS, BLOCK_N, HEAD_DIM, GROUPS
+        )
+        # No `if` around an item without key tiles (a device plan's empty tile, or none left for
+        # this program): ptxas serializes every wgmma of a pipeline inside a branch (C7513), so
+        # such an item runs the same code with its barrier steps predicated off.
+        live = num_tiles > 0
+        mbarrier.wait(q_bar, i & 1, pred=live)
+        for t in range(num_tiles):
+            slot = (c + t) % STAGES
+            before = c + gl.maximum(t - 1, 0)
+            n = key_tile(t, kv_start, n_pre, pre_start, n_main, post_start, BLOCK_N, GROUPS)
+            ktg = key_tile_group(KT + tma_row0, n, kv_len, BLOCK_N, GROUPS)
+            outside = (t < n_pre) | (t >= n_pre + n_main)
+            # Rescaled before any MMA is in flight: ptxas would wait for them before reading acc.
+            acc = acc * gl.expand_dims(alpha, 1)
+            mbarrier.wait(k_ready.index(slot), ((c + t) // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)  # fmt: skip
+            # The previous tile's P @ V (at an item's first tile p = 0 against its own values).
+            mbarrier.wait(v_ready.index(before % STAGES), (before // STAGES) & 1)
+            acc = warpgroup_mma(p, v_smem.index(before % STAGES), acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+            mbarrier.arrive(k_empty.index(slot))
 
-    for t in range(num_tiles):
-        slot = t % STAGES
-        prev = gl.maximum(t - 1, 0) % STAGES
-        n = key_tile(t, kv_start, n_pre, pre_start, n_main, post_start, BLOCK_N, GROUPS)
-        ktg = key_tile_group(KT, n, kv_len, BLOCK_N, GROUPS)
-        outside = (t < n_pre) | (t >= n_pre + n_main)
-        # Rescaled before any MMA is in flight: ptxas would wait for them before reading acc.
-        acc = acc * gl.expand_dims(alpha, 1)
-        mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
-        s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        # The previous tile's P @ V (at the first tile p = 0 against its own values).
-        mbarrier.wait(v_ready.index(prev), (gl.maximum(t - 1, 0) // STAGES) & 1)
-        acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
-        mbarrier.arrive(k_empty.index(slot))
+            p_f, alpha_s, m_i, l_i = softmax_step(
+                s, m_i, l_i, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
+                softcap_log2, outside, gsel, KG + tma_row0, ktg, kv_len, BLOCK_N, SOFTCAP, GROUPS,
+                CLAMP,
+            )  # fmt: skip
+            alpha = gl.convert_layout(alpha_s, alpha.type.layout)
+            p = gl.convert_layout(p_f.to(dtype), p.type.layout)
 
-        p_f, alpha_s, m_i, l_i = softmax_step(
-            s, m_i, l_i, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale, softcap_log2,
-            outside, gsel, KG, ktg, kv_len, BLOCK_N, SOFTCAP, GROUPS, CLAMP,
-        )  # fmt: skip
-        alpha = gl.convert_layout(alpha_s, alpha.type.layout)
-        p = gl.convert_layout(p_f.to(dtype), p.type.layout)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            # The previous tile's values are read: hand its slot back to the producer.
+            mbarrier.arrive(v_empty.index(before % STAGES), pred=t > 0)
+        mbarrier.arrive(q_empty, pred=live)  # every Q @ K^T of the item is done: the next Q may load
 
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        # The previous tile's values are read: hand its slot back to the producer.
-        mbarrier.arrive(v_empty.index(prev), pred=t > 0)
-
-    last = num_tiles - 1
-    acc = last_pv(acc, alpha, p, v_smem.index(last % STAGES), v_ready, last, STAGES)
-
-    store_rows(acc, m_i, l_i, OUT, LSE, row0, q_row_last, head, 0, stride_ot, stride_oh, HQ, ROWS,
-               RETURN_LSE)  # fmt: skip
+        last = gl.maximum(c + num_tiles - 1, 0)
+        acc = last_pv(acc, alpha, p, v_smem.index(last % STAGES), v_ready, last, STAGES, live)
+        mbarrier.arrive(v_empty.index(last % STAGES), pred=live)
+        store_rows(acc, m_i, l_i, OUT, LSE, row0, q_row_last, head, 0, stride_ot, stride_oh, HQ,
+                   ROWS, RETURN_LSE)  # fmt: skip
+        c += num_tiles
+        i += live.to(gl.int32)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["num_items"])  # one compile whatever a step's item count
 def attn_fwd_gluon(
     q_desc, k_desc, v_desc, OUT, LSE, LO, HI, TILE_INFO, stride_ot, stride_oh, qk_scale,
     softcap_log2, q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, BT, stride_bt, Q_GROUP,
-    K_GROUP, KT_GROUP, WALK_INFO, HQ: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr,
-    N_INFO: gl.constexpr, PAGE: gl.constexpr, GROUPS: gl.constexpr, CLAMP: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    K_GROUP, KT_GROUP, WALK_INFO, num_items, HQ: gl.constexpr, GROUP: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
+    RETURN_LSE: gl.constexpr, N_INFO: gl.constexpr, PAGE: gl.constexpr, GROUPS: gl.constexpr,
+    CLAMP: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):  # fmt: skip
-    head, kv_head, q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, \
-        num_tiles, pages, n_pre, pre_start, n_main, post_start = tile_walk(
-            TILE_INFO, BT, stride_bt, WALK_INFO, HQ, GROUP, N_INFO, BLOCK_N, PAGE, GROUPS)  # fmt: skip
-
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar, v_loaded, k_ready, k_empty, v_ready, v_empty = ring_barriers(STAGES)
+    q_bar, q_empty, v_loaded, k_ready, k_empty, v_ready, v_empty = ring_barriers(STAGES)
 
     # The partitions' arguments are written out in place: in Gluon's frontend (triton 3.6) a tuple
     # held in a variable or built by concatenation loses its constexprs, and ``*`` unpacking is
-    # not supported. The producer reads Q as two row halves and K/V tiles as one box each.
+    # not supported. Each partition reads its items' rows of the schedule itself (tile_walk).
+    # The producer reads Q as two row halves and K/V tiles as one box each.
     # fmt: off
     gl.warp_specialize(
-        [(_consume, (0, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, OUT, LSE,
-                     LO, HI, Q_GROUP, K_GROUP + tma_row0, KT_GROUP + tma_row0, q_row0, q_row_last,
-                     head, num_tiles, kv_start, full_start, full_end, tma_last, kv_len, n_pre,
-                     pre_start, n_main, post_start, qk_scale, softcap_log2, stride_ot, stride_oh, HQ,
-                     HEAD_DIM, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE, GROUPS, CLAMP)),
-         (_consume, (1, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, OUT, LSE,
-                     LO, HI, Q_GROUP, K_GROUP + tma_row0, KT_GROUP + tma_row0, q_row0, q_row_last,
-                     head, num_tiles, kv_start, full_start, full_end, tma_last, kv_len, n_pre,
-                     pre_start, n_main, post_start, qk_scale, softcap_log2, stride_ot, stride_oh, HQ,
-                     HEAD_DIM, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE, GROUPS, CLAMP)),
-         (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                    v_empty, v_loaded, q_row0 + head * q_head_rows, head * q_head_cols, num_tiles,
-                    kv_start, tma_row0 + kv_head * kv_head_rows, tma_last, kv_head * kv_head_cols,
-                    pages, kv_len, n_pre, pre_start, n_main, post_start, ROWS, ZERO, ONE, BLOCK_N,
-                    STAGES, PAGE, GROUPS))],
+        [(_consume, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                     OUT, LSE, LO, HI, Q_GROUP, K_GROUP, KT_GROUP, TILE_INFO, BT, stride_bt,
+                     WALK_INFO, num_items, qk_scale, softcap_log2, stride_ot, stride_oh, HQ, GROUP,
+                     N_INFO, HEAD_DIM, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE, PAGE, GROUPS, CLAMP)),
+         (_consume, (1, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                     OUT, LSE, LO, HI, Q_GROUP, K_GROUP, KT_GROUP, TILE_INFO, BT, stride_bt,
+                     WALK_INFO, num_items, qk_scale, softcap_log2, stride_ot, stride_oh, HQ, GROUP,
+                     N_INFO, HEAD_DIM, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE, PAGE, GROUPS, CLAMP)),
+         (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
+                    v_ready, v_empty, v_loaded, TILE_INFO, BT, stride_bt, WALK_INFO, num_items,
+                    q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, HQ, GROUP, N_INFO, ROWS,
+                    ZERO, ONE, BLOCK_N, STAGES, PAGE, GROUPS))],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
     )

@@ -30,9 +30,11 @@ from .gluon_parts import (
     partition_barrier,
     produce,
     ring_barriers,
+    rounds,
     softmax_step,
     store_rows,
     tile_walk,
+    work_item,
 )
 
 ROWS = gl.constexpr(64)  # query rows per tile, held by both consumers
@@ -40,82 +42,91 @@ ZERO, TWO = gl.constexpr(0), gl.constexpr(2)
 
 
 @gluon.jit
-def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, k_ready, k_empty, v_ready,
-             v_empty, x_full, x_free, OUT, LSE, LO, HI, QG, KG, KT, q_row0, q_row_last, head,
-             num_tiles, kv_start, full_start, full_end, tma_last, kv_len, n_pre, pre_start, n_main,
-             post_start, qk_scale, softcap_log2, stride_ot, stride_oh, HQ: gl.constexpr,
-             HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr, GROUPS: gl.constexpr,
-             CLAMP: gl.constexpr):  # fmt: skip
-    """Columns ``PART * HALF ...`` of the tile's 64 query rows."""
+def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty, k_ready, k_empty,
+             v_ready, v_empty, x_full, x_free, OUT, LSE, LO, HI, QG, KG, KT, TILE_INFO, BT, stride_bt,
+             WALK_INFO, num_items, qk_scale, softcap_log2, stride_ot, stride_oh, HQ: gl.constexpr,
+             GROUP: gl.constexpr, N_INFO: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr,
+             PAGE: gl.constexpr, GROUPS: gl.constexpr, CLAMP: gl.constexpr):  # fmt: skip
+    """Columns ``PART * HALF ...`` of the 64 query rows of each of this program's work items in
+    turn; ``c`` counts its key tiles over all items (the ring's and the score swap's phases),
+    ``i`` its items (Q's phase)."""
     dtype: gl.constexpr = q_smem.dtype
-    lo, hi, gsel, offs_n, m_i, l_i, alpha, acc, p, s_zero = consumer_start(
-        LO, HI, QG, q_row0, q_row_last, dtype, ROWS, BLOCK_N, HALF, GROUPS
-    )
     q = q_smem.index(PART)
     mine = x_smem.index(PART)
     theirs = x_smem.index(1 - PART)
-    mbarrier.wait(q_bar, 0)
-
-    for t in range(num_tiles):
-        slot = t % STAGES
-        prev = gl.maximum(t - 1, 0) % STAGES
-        n = key_tile(t, kv_start, n_pre, pre_start, n_main, post_start, BLOCK_N, GROUPS)
-        ktg = key_tile_group(KT, n, kv_len, BLOCK_N, GROUPS)
-        outside = (t < n_pre) | (t >= n_pre + n_main)
-        acc = acc * gl.expand_dims(alpha, 1)
-        mbarrier.wait(k_ready.index(slot), (t // STAGES) & 1)
-        s = warpgroup_mma(
-            q, k_smem.index(2 * slot + PART).permute((1, 0)), s_zero, use_acc=False, is_async=True
+    c = 0
+    i = 0
+    for r in range(rounds(num_items)):
+        head, kv_head, q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, \
+            num_tiles, pages, n_pre, pre_start, n_main, post_start = tile_walk(
+                TILE_INFO, BT, stride_bt, WALK_INFO, work_item(r), num_items, HQ, GROUP, N_INFO,
+                BLOCK_N, PAGE, GROUPS)  # fmt: skip
+        lo, hi, gsel, offs_n, m_i, l_i, alpha, acc, p, s_zero = consumer_start(
+            LO, HI, QG, q_row0, q_row_last, dtype, ROWS, BLOCK_N, HALF, GROUPS
         )
-        mbarrier.wait(v_ready.index(prev), (gl.maximum(t - 1, 0) // STAGES) & 1)
-        acc = warpgroup_mma(p, v_smem.index(2 * prev + PART), acc, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
-        mbarrier.arrive(k_empty.index(slot))
+        live = num_tiles > 0  # predicated, not branched on: see kernel_gluon._consume
+        mbarrier.wait(q_bar, i & 1, pred=live)
+        for t in range(num_tiles):
+            slot = (c + t) % STAGES
+            before = c + gl.maximum(t - 1, 0)
+            prev = before % STAGES
+            n = key_tile(t, kv_start, n_pre, pre_start, n_main, post_start, BLOCK_N, GROUPS)
+            ktg = key_tile_group(KT + tma_row0, n, kv_len, BLOCK_N, GROUPS)
+            outside = (t < n_pre) | (t >= n_pre + n_main)
+            acc = acc * gl.expand_dims(alpha, 1)
+            mbarrier.wait(k_ready.index(slot), ((c + t) // STAGES) & 1)
+            s = warpgroup_mma(
+                q, k_smem.index(2 * slot + PART).permute((1, 0)), s_zero, use_acc=False, is_async=True
+            )
+            mbarrier.wait(v_ready.index(prev), (before // STAGES) & 1)
+            acc = warpgroup_mma(p, v_smem.index(2 * prev + PART), acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+            mbarrier.arrive(k_empty.index(slot))
 
-        # Swap halves of the scores: ours out once the other consumer has read our last ones,
-        # theirs in once written. The partition barriers make all 128 threads' stores (loads)
-        # happen before the one thread that arrives signals them.
-        mbarrier.wait(x_free.index(PART), (t - 1) & 1, pred=t > 0)
-        mine.store(s)
-        partition_barrier()
-        mbarrier.arrive(x_full.index(PART))
-        mbarrier.wait(x_full.index(1 - PART), t & 1)
-        s = s + theirs.load(s.type.layout)
-        partition_barrier()
-        mbarrier.arrive(x_free.index(1 - PART))
+            # Swap halves of the scores: ours out once the other consumer has read our last
+            # ones, theirs in once written. The partition barriers make all 128 threads'
+            # stores (loads) happen before the one thread that arrives signals them.
+            mbarrier.wait(x_free.index(PART), (c + t - 1) & 1, pred=c + t > 0)
+            mine.store(s)
+            partition_barrier()
+            mbarrier.arrive(x_full.index(PART))
+            mbarrier.wait(x_full.index(1 - PART), (c + t) & 1)
+            s = s + theirs.load(s.type.layout)
+            partition_barrier()
+            mbarrier.arrive(x_free.index(1 - PART))
 
-        p_f, alpha_s, m_i, l_i = softmax_step(
-            s, m_i, l_i, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale, softcap_log2,
-            outside, gsel, KG, ktg, kv_len, BLOCK_N, SOFTCAP, GROUPS, CLAMP,
-        )  # fmt: skip
-        alpha = gl.convert_layout(alpha_s, alpha.type.layout)
-        p = gl.convert_layout(p_f.to(dtype), p.type.layout)
+            p_f, alpha_s, m_i, l_i = softmax_step(
+                s, m_i, l_i, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
+                softcap_log2, outside, gsel, KG + tma_row0, ktg, kv_len, BLOCK_N, SOFTCAP, GROUPS,
+                CLAMP,
+            )  # fmt: skip
+            alpha = gl.convert_layout(alpha_s, alpha.type.layout)
+            p = gl.convert_layout(p_f.to(dtype), p.type.layout)
 
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        mbarrier.arrive(v_empty.index(prev), pred=t > 0)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            mbarrier.arrive(v_empty.index(prev), pred=t > 0)
+        mbarrier.arrive(q_empty, pred=live)
 
-    last = num_tiles - 1
-    acc = last_pv(acc, alpha, p, v_smem.index(2 * (last % STAGES) + PART), v_ready, last, STAGES)
+        last = gl.maximum(c + num_tiles - 1, 0)
+        acc = last_pv(acc, alpha, p, v_smem.index(2 * (last % STAGES) + PART), v_ready, last, STAGES, live)
+        mbarrier.arrive(v_empty.index(last % STAGES), pred=live)
+        # Both consumers hold the same row maxima and sums: one writes the LSE.
+        store_rows(acc, m_i, l_i, OUT, LSE, q_row0, q_row_last, head, PART * HALF, stride_ot,
+                   stride_oh, HQ, ROWS, RETURN_LSE and PART == 0)  # fmt: skip
+        c += num_tiles
+        i += live.to(gl.int32)
 
-    # Both consumers hold the same row maxima and sums: one writes the LSE.
-    store_rows(acc, m_i, l_i, OUT, LSE, q_row0, q_row_last, head, PART * HALF, stride_ot, stride_oh,
-               HQ, ROWS, RETURN_LSE and PART == 0)  # fmt: skip
 
-
-@gluon.jit
+@gluon.jit(do_not_specialize=["num_items"])  # one compile whatever a step's item count
 def attn_fwd_gluon_split(
     q_desc, k_desc, v_desc, OUT, LSE, LO, HI, TILE_INFO, stride_ot, stride_oh, qk_scale,
     softcap_log2, q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, BT, stride_bt, Q_GROUP,
-    K_GROUP, KT_GROUP, WALK_INFO, HQ: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr,
-    N_INFO: gl.constexpr, PAGE: gl.constexpr, GROUPS: gl.constexpr, CLAMP: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    K_GROUP, KT_GROUP, WALK_INFO, num_items, HQ: gl.constexpr, GROUP: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
+    RETURN_LSE: gl.constexpr, N_INFO: gl.constexpr, PAGE: gl.constexpr, GROUPS: gl.constexpr,
+    CLAMP: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):  # fmt: skip
-    head, kv_head, q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, \
-        num_tiles, pages, n_pre, pre_start, n_main, post_start = tile_walk(
-            TILE_INFO, BT, stride_bt, WALK_INFO, HQ, GROUP, N_INFO, BLOCK_N, PAGE, GROUPS)  # fmt: skip
-
     HALF: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = q_desc.dtype
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], gl.float32)
@@ -123,7 +134,7 @@ def attn_fwd_gluon_split(
     k_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_N, HALF], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_N, HALF], v_desc.layout)
     x_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, BLOCK_N], x_layout)
-    q_bar, v_loaded, k_ready, k_empty, v_ready, v_empty = ring_barriers(STAGES)
+    q_bar, q_empty, v_loaded, k_ready, k_empty, v_ready, v_empty = ring_barriers(STAGES)
     x_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     x_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
@@ -134,23 +145,20 @@ def attn_fwd_gluon_split(
     # two column halves and each K/V tile as two.
     # fmt: off
     gl.warp_specialize(
-        [(_consume, (0, q_smem, k_smem, v_smem, x_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                     x_full, x_free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP + tma_row0,
-                     KT_GROUP + tma_row0, q_row0, q_row_last, head, num_tiles, kv_start, full_start,
-                     full_end, tma_last, kv_len, n_pre, pre_start, n_main, post_start, qk_scale,
-                     softcap_log2, stride_ot, stride_oh, HQ, HALF, BLOCK_N, STAGES, SOFTCAP,
-                     RETURN_LSE, GROUPS, CLAMP)),
-         (_consume, (1, q_smem, k_smem, v_smem, x_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                     x_full, x_free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP + tma_row0,
-                     KT_GROUP + tma_row0, q_row0, q_row_last, head, num_tiles, kv_start, full_start,
-                     full_end, tma_last, kv_len, n_pre, pre_start, n_main, post_start, qk_scale,
-                     softcap_log2, stride_ot, stride_oh, HQ, HALF, BLOCK_N, STAGES, SOFTCAP,
-                     RETURN_LSE, GROUPS, CLAMP)),
-         (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                    v_empty, v_loaded, q_row0 + head * q_head_rows, head * q_head_cols, num_tiles,
-                    kv_start, tma_row0 + kv_head * kv_head_rows, tma_last, kv_head * kv_head_cols,
-                    pages, kv_len, n_pre, pre_start, n_main, post_start, ZERO, HALF, TWO, BLOCK_N,
-                    STAGES, PAGE, GROUPS))],
+        [(_consume, (0, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                     v_empty, x_full, x_free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP, KT_GROUP,
+                     TILE_INFO, BT, stride_bt, WALK_INFO, num_items, qk_scale, softcap_log2,
+                     stride_ot, stride_oh, HQ, GROUP, N_INFO, HALF, BLOCK_N, STAGES, SOFTCAP,
+                     RETURN_LSE, PAGE, GROUPS, CLAMP)),
+         (_consume, (1, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+                     v_empty, x_full, x_free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP, KT_GROUP,
+                     TILE_INFO, BT, stride_bt, WALK_INFO, num_items, qk_scale, softcap_log2,
+                     stride_ot, stride_oh, HQ, GROUP, N_INFO, HALF, BLOCK_N, STAGES, SOFTCAP,
+                     RETURN_LSE, PAGE, GROUPS, CLAMP)),
+         (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
+                    v_ready, v_empty, v_loaded, TILE_INFO, BT, stride_bt, WALK_INFO, num_items,
+                    q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, HQ, GROUP, N_INFO, ZERO,
+                    HALF, TWO, BLOCK_N, STAGES, PAGE, GROUPS))],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
     )
