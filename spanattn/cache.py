@@ -119,8 +119,15 @@ def _positions(plan: Plan, new_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return seq_id, pos
 
 
-def _slots(block_table, block_size: int, seq_id, pos) -> torch.Tensor:
-    return block_table[seq_id, pos // block_size].long() * block_size + pos % block_size
+def _slots(block_table, block_size: int, seq_id, pos, num_blocks: int | None = None) -> torch.Tensor:
+    """Flat cache slots; with ``num_blocks`` (reads) block ids clamped into the cache, so that a bad
+    table read before its check raises (page_check.py) reads a wrong block, never outside the
+    cache (on CUDA an index out of range is a device assert that ends the process). Writes do
+    not clamp: a clamped slot would be another sequence's."""
+    ids = block_table[seq_id, pos // block_size].long()
+    if num_blocks is not None:
+        ids = ids.clamp(0, num_blocks - 1)
+    return ids * block_size + pos % block_size
 
 
 def slot_mapping(plan: Plan, block_table, block_size: int) -> torch.Tensor:
@@ -145,9 +152,10 @@ def slot_mapping(plan: Plan, block_table, block_size: int) -> torch.Tensor:
     return _slots(block_table.to(plan.device), block_size, *_positions(plan, new_only=True))
 
 
-def key_slots(plan: Plan, block_table, block_size: int) -> torch.Tensor:
-    """int64 ``[total_k]`` cache slots of every key of the step, in packed (varlen) order."""
-    return _slots(block_table, block_size, *_positions(plan, new_only=False))
+def key_slots(plan: Plan, block_table, block_size: int, num_blocks: int | None = None) -> torch.Tensor:
+    """int64 ``[total_k]`` cache slots of every key of the step, in packed (varlen) order (block
+    ids clamped into ``num_blocks`` if given, see ``_slots``)."""
+    return _slots(block_table, block_size, *_positions(plan, new_only=False), num_blocks)
 
 
 def to_paged(k, v, plan: Plan, block_size: int, *, fill: float = 0.0, seed: int | None = 0):
@@ -184,7 +192,7 @@ def to_paged(k, v, plan: Plan, block_size: int, *, fill: float = 0.0, seed: int 
 def gather_kv(k_cache, v_cache, block_table, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed ``k, v [total_k, Hkv, D]`` (the varlen layout) copied out of the pages."""
     check_paged(k_cache, v_cache, block_table, plan)
-    slots = key_slots(plan, block_table, k_cache.shape[1])
+    slots = key_slots(plan, block_table, k_cache.shape[1], k_cache.shape[0])
     flat = (-1, *k_cache.shape[2:])
     return k_cache.reshape(flat)[slots], v_cache.reshape(flat)[slots]
 

@@ -103,11 +103,12 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, k_ready,
                HQ, ROWS, RETURN_LSE and PART == 0)  # fmt: skip
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["last_page"])  # the cache may change size between calls
 def attn_fwd_gluon_split(
     q_desc, k_desc, v_desc, OUT, LSE, LO, HI, TILE_INFO, stride_ot, stride_oh, qk_scale,
-    softcap_log2, q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, BT, stride_bt, Q_GROUP,
-    K_GROUP, KT_GROUP, WALK_INFO, HQ: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+    softcap_log2, q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, BT, stride_bt,
+    last_page, Q_GROUP, K_GROUP, KT_GROUP, WALK_INFO, HQ: gl.constexpr, GROUP: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr,
     N_INFO: gl.constexpr, PAGE: gl.constexpr, GROUPS: gl.constexpr, CLAMP: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -149,8 +150,8 @@ def attn_fwd_gluon_split(
          (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
                     v_empty, v_loaded, q_row0 + head * q_head_rows, head * q_head_cols, num_tiles,
                     kv_start, tma_row0 + kv_head * kv_head_rows, tma_last, kv_head * kv_head_cols,
-                    pages, kv_len, n_pre, pre_start, n_main, post_start, ZERO, HALF, TWO, BLOCK_N,
-                    STAGES, PAGE, GROUPS))],
+                    pages, last_page, kv_len, n_pre, pre_start, n_main, post_start, ZERO, HALF, TWO,
+                    BLOCK_N, STAGES, PAGE, GROUPS))],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
     )
