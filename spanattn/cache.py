@@ -58,54 +58,6 @@ def check_paged(k_cache, v_cache, block_table, plan: Plan, *, names=("k_cache", 
         )
 
 
-def check_block_table(block_table, plan: Plan, num_blocks: int, block_size: int) -> None:
-    """Every entry a sequence reads (its first ``ceil(kv_len / block_size)`` columns) names a
-    block of the cache, ``0 <= id < num_blocks``; columns past a sequence's keys are never read
-    and may hold anything. Shared blocks (prefix caching) are fine.
-
-    It reads the table's values: on CUDA one host sync, so :func:`spanattn.attention` runs it
-    once per step (per plan and table contents), never while a CUDA graph is being captured.
-    """
-    read = plan.cached(
-        ("pages_read", block_table.shape[1], block_size), lambda: _pages_read(plan, block_table, block_size)
-    )
-    if read.numel() == 0:
-        return
-    ids = torch.where(read, block_table, 0)
-    # Two reductions and one transfer: the step's only sync on this path.
-    least, most = torch.stack(torch.aminmax(ids)).tolist()
-    if least < 0 or most >= num_blocks:
-        bad = read & ((block_table < 0) | (block_table >= num_blocks))
-        r, c = (int(x) for x in bad.nonzero()[0])
-        raise IndexError(
-            f"block_table[{r}, {c}] = {int(block_table[r, c])}: sequence {r} (kv_len "
-            f"{plan.batch.seqs[r].kv_len}) reads that block, but block ids must be in "
-            f"[0, num_blocks={num_blocks})"
-        )
-
-
-def _pages_read(plan: Plan, block_table, block_size: int) -> torch.Tensor:
-    """bool ``[num_seqs, columns]``: the entries each sequence reads (on the table's device)."""
-    need = (plan.seq_lens.to(block_table.device).long() + block_size - 1) // block_size
-    return torch.arange(block_table.shape[1], device=block_table.device) < need[:, None]
-
-
-def checked_once(block_table, plan: Plan, num_blocks: int, block_size: int) -> None:
-    """:func:`check_block_table` once per plan and table contents (a table changed in place has
-    a new version; inference-mode tensors have none, so once per plan), skipped while a CUDA
-    graph is being captured (a sync is not allowed there)."""
-    if block_table.is_cuda and torch.cuda.is_current_stream_capturing():
-        return
-    key = (
-        "block_table_ok",
-        block_table.data_ptr(),
-        block_table._version,
-        tuple(block_table.shape),
-        num_blocks,
-    )
-    plan.cached(key, lambda: check_block_table(block_table, plan, num_blocks, block_size) or True)
-
-
 def _positions(plan: Plan, new_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence id, key position) of every packed key, or of this step's new keys only."""
     if new_only:
