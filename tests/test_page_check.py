@@ -64,6 +64,7 @@ def test_first_bad_entries_against_brute_force_and_the_kernel():
 @pytest.mark.parametrize("value", [True, False, "deferred", "sync", "off"])
 def test_check_pages_takes_its_modes(value):
     p, q, kc, vc, bt = _step()
+    bt[2, 1:] = -7  # sequence 2 (kv_len 5) reads column 0 only: the rest may hold anything
     sa.attention(q, kc, vc, p, block_table=bt, backend="reference", check_pages=value)
 
 
@@ -230,3 +231,18 @@ def test_triton_kernels_clamp_block_ids(monkeypatch, path):
         return tb.forward(q, kc, vc, p, scale=0.25, block_table=bt, kernel=kernel, config=config)[0]
 
     _neighbours_unchanged(run, DECODE if path == "decode" else PREFILL, DEV)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the deferred check of a CUDA table")
+def test_a_cuda_table_is_checked_without_stopping_the_call():
+    p, q, kc, vc, bt = _step(DECODE, device="cuda")
+    bad = bt.clone()
+    bad[1, 0] = kc.shape[0] + 5
+    clean = sa.attention(q, kc, vc, p, block_table=bt)
+    out = sa.attention(q, kc, vc, p, block_table=bad)  # runs: its check's result is read later
+    for r in (0, 2):
+        assert torch.equal(out[p.seq_slice(r)], clean[p.seq_slice(r)])
+    with pytest.raises(IndexError, match=rf"block_table\[1, 0\] = {kc.shape[0] + 5}: .*EARLIER"):
+        sa.check_pending_pages()
+    with pytest.raises(IndexError, match=r"block_table\[1, 0\]"):
+        sa.attention(q, kc, vc, p, block_table=bad, check_pages="sync")
