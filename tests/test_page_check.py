@@ -3,6 +3,10 @@ of a bad table inside the cache. CPU tables have no CUDA events: the deferred pa
 through ``page_check.defer`` on them (a record without an event counts as completed), or with a
 stand-in event whose completion the test decides."""
 
+import importlib.util
+import json
+import pathlib
+
 import pytest
 import torch
 
@@ -246,3 +250,18 @@ def test_a_cuda_table_is_checked_without_stopping_the_call():
         sa.check_pending_pages()
     with pytest.raises(IndexError, match=r"block_table\[1, 0\]"):
         sa.attention(q, kc, vc, p, block_table=bad, check_pages="sync")
+
+
+def test_gpu_page_check_script_small(tmp_path):
+    """benchmarks/gpu_page_check.py --tiny on CPU: the behaviour pass and every mode timed."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_page_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_page_check", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--out", str(tmp_path), "--tiny"]) == 0
+    (out,) = tmp_path.glob("*-page-check-cpu.json")
+    data = json.loads(out.read_text())
+    assert data["behaviour"]["ok"] and "block_table[1, 0]" in data["behaviour"]["sync_raised"]
+    assert data["env"]["torch"] and "transformers" in data["env"] and len(data["rows"]) == 2
+    for row in data["rows"]:
+        assert all(row[f"step_ms_{m}"] > 0 for m in ("off", "deferred", "sync")) and row["defer_host_ms"] > 0
