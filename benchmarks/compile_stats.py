@@ -44,6 +44,7 @@ from spanattn.backends.triton.configs import Config, pick, pick_gluon
 
 FP_ARGS = ("Q", "K", "V", "K_DESC", "V_DESC", "OUT", "LSE")
 SCALAR_FP = ("qk_scale", "softcap_log2")
+SCALAR_INT = ("last_page", "num_items")  # runtime scalars exempt from specialization (do_not_specialize)
 
 
 def signature() -> dict[str, str]:
@@ -56,7 +57,7 @@ def signature() -> dict[str, str]:
             sig[name] = "*bf16"
         elif name in SCALAR_FP:
             sig[name] = "fp32"
-        elif name.startswith("stride_"):
+        elif name.startswith("stride_") or name in SCALAR_INT:
             sig[name] = "i32"
         else:
             sig[name] = "*i32"
@@ -76,7 +77,10 @@ def stats(cfg: Config, d: int, paged: int = 0, groups: str = "") -> dict:
         "DV_SPLIT": cfg.dv_split, "TMA": cfg.tma and not paged, "N_INFO": len(INFO),
         "GROUPS": bool(groups), "CLAMP": groups == "clamp",
     }  # fmt: skip
-    runtime = [i for i, t in enumerate(sig.values()) if t not in ("constexpr", "fp32") and "desc" not in t]
+    runtime = [
+        i for i, (name, t) in enumerate(sig.items())
+        if t not in ("constexpr", "fp32") and "desc" not in t and name not in SCALAR_INT
+    ]  # fmt: skip
     attrs = {(i,): [["tt.divisibility", 16]] for i in runtime}
     src = ASTSource(fn=tk.attn_fwd, signature=sig, constexprs=const, attrs=attrs)
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
@@ -104,7 +108,7 @@ def gluon_stats(cfg: Config, d: int, page: int = 0, groups: str = "") -> dict:
         elif name.endswith("_desc"):
             sig[name] = desc(module.ROWS.value if name == "q_desc" else min(page or cfg.block_n, cfg.block_n))
         else:
-            scalar = name.startswith("stride_") or "_head_" in name or name == "num_items"
+            scalar = name.startswith("stride_") or "_head_" in name or name in SCALAR_INT
             sig[name] = {"OUT": "*bf16", "LSE": "*fp32", "qk_scale": "fp32", "softcap_log2": "fp32"}.get(
                 name, "i32" if scalar else "*i32"
             )

@@ -1,16 +1,25 @@
-"""What the default block-table check costs a decode step, on one GPU in one call.
+"""What the block-table check costs a decode step in each of its modes, on one GPU in one call.
 
     python benchmarks/gpu_page_check.py --out results/ [--rounds 5] [--steps 20]
+    python benchmarks/gpu_page_check.py --out /tmp/pc --tiny   # a smoke run on CPU (reference)
 
-``sa.attention(..., block_table=...)`` checks, once per plan and block-table contents, that every
-block a sequence reads exists (spanattn/cache.py ``checked_once``): a small device reduction and
-one host sync. Here an eager decode loop runs as an engine's would: per step the block table is
-copied in from pinned host memory (a new version of it), a plan is built for the step, ``layers``
-attention calls of one layer kind read the paged cache (triton backend), and the step ends with a
-sync (where an engine reads its sampled tokens). Per batch size and layer count, steps with the
-check on and off alternate by round; medians. The step holds attention only (no projections, no
-MLP), so the check's share of a real model's step is smaller than the ``share`` given here.
-Also timed alone: ``check_block_table`` on the step's table, synchronized.
+``sa.attention(..., block_table=...)`` checks, once per plan and block-table version, that every
+block a sequence reads exists (spanattn/page_check.py), in one of three modes: ``off``
+(``check_pages=False``), ``deferred`` (the default: on CUDA one launch, its result copied to
+pinned memory behind an event, no sync; a later call raises) and ``sync`` (checked before the
+call: a host sync). Here an eager decode loop runs as an engine's would: per step the block table
+is copied in from pinned host memory (a new version of it), a plan is built for the step,
+``layers`` attention calls of one layer kind read the paged cache (triton backend), and the step
+ends with a sync (where an engine reads its sampled tokens). Per batch size and layer count the
+three modes take turns by round (the order rotating); medians. The step holds attention only (no
+projections, no MLP), so a check's share of a real model's step is smaller than ``share`` here.
+
+Also timed, the check alone: the host time of the deferred launch (``page_check.defer``: what
+the default adds to a step's host path), its device time (CUDA events around it), and the
+synchronous check's wall time. First, on the same device, the behaviour: a table with a bad id
+in one sequence runs (the clamp keeps its reads in the cache; the other sequences' outputs equal
+a clean table's bit for bit), the next call raises naming the earlier step, and so does
+``sa.check_pending_pages()``. Writes ``<date>-page-check-<gpu>.json``.
 """
 
 from __future__ import annotations
@@ -18,84 +27,177 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-import spanattn as sa
-from spanattn.bench.report import environment, result_path
-from spanattn.cache import check_block_table, to_paged
-from spanattn.scenarios import HKV, HQ
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
-DEV = "cuda"
+import spanattn as sa  # noqa: E402
+from spanattn import page_check  # noqa: E402
+from spanattn.bench.report import environment, result_path  # noqa: E402
+from spanattn.cache import to_paged  # noqa: E402
+from spanattn.scenarios import HKV, HQ  # noqa: E402
+
 PAGE = 16
+MODES = {"off": False, "deferred": True, "sync": "sync"}
 
 
-def _setup(batch: int, kv_len: int, head_dim: int):
-    seqs = [sa.Seq(q_len=1, kv_len=kv_len) for _ in range(batch)]
-    plan = sa.plan(sa.Batch(seqs), sa.LayerMask(), device=DEV)
-    k, v = (torch.randn(batch * kv_len, HKV, head_dim, device=DEV, dtype=torch.bfloat16) for _ in "kv")
-    kc, vc, bt = to_paged(k, v, plan, PAGE)
-    q = torch.randn(batch, HQ, head_dim, device=DEV, dtype=torch.bfloat16)
+def _sync(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def _setup(dev: str, batch: int, kv_len: int, head_dim: int, dtype):
+    seqs = [sa.Seq(q_len=1, kv_len=kv_len + 7 * i) for i in range(batch)]
+    plan = sa.plan(sa.Batch(seqs), sa.LayerMask(), device=dev)
+    k, v = (torch.randn(plan.total_k, HKV, head_dim, device=dev, dtype=dtype) for _ in "kv")
+    kc, vc, bt = to_paged(k, v, plan, PAGE, fill=float("nan"))
+    q = torch.randn(batch, HQ, head_dim, device=dev, dtype=dtype)
     return seqs, q, kc, vc, bt
 
 
-def _step_ms(seqs, q, kc, vc, bt, host_bt, layers: int, check: bool, steps: int) -> float:
+def _raised(fn) -> str | None:
+    try:
+        fn()
+    except IndexError as err:
+        return str(err)
+    return None
+
+
+def verify(dev: str, backend: str, dtype) -> dict:
+    """The deferred check's behaviour on this device (see the module docstring); on a CPU table
+    the default checks at once, so there the bad call itself raises."""
+    seqs, q, kc, vc, bt = _setup(dev, 3, 100, 64, dtype)
+    plan = lambda: sa.plan(sa.Batch(seqs), sa.LayerMask(), device=dev)
+    call = lambda p, table, mode=True: sa.attention(q, kc, vc, p, block_table=table, backend=backend,
+                                                    check_pages=mode)  # fmt: skip
+    sa.check_pending_pages()
+    clean = call(plan(), bt, False)
+    bad = bt.clone()
+    bad[1, 0] = kc.shape[0] + 7
+    res = {"bad_entry": [1, 0, kc.shape[0] + 7]}
+    out = []
+    res["bad_call_raised"] = _raised(lambda: out.append(call(plan(), bad)))
+    out = out[0] if out else call(plan(), bad, False)
+    rows = [plan().seq_slice(r) for r in (0, 2)]
+    res["neighbours_bit_equal"] = all(torch.equal(out[s], clean[s]) for s in rows)
+    _sync(dev)  # the check has completed: the next call finds it
+    res["next_call_raised"] = _raised(lambda: call(plan(), bt))
+    _raised(lambda: call(plan(), bad))  # deferred again, for check_pending_pages to find
+    res["check_pending_pages_raised"] = _raised(sa.check_pending_pages)
+    res["sync_raised"] = _raised(lambda: call(plan(), bad, "sync"))
+    deferred = dev == "cuda"
+    res["ok"] = (
+        res["neighbours_bit_equal"]
+        and (res["bad_call_raised"] is None) == deferred
+        and (res["next_call_raised"] is not None) == deferred
+        and (res["check_pending_pages_raised"] is not None) == deferred
+        and res["sync_raised"] is not None
+    )
+    sa.check_pending_pages()
+    return res
+
+
+def _step_ms(dev, backend, seqs, q, kc, vc, bt, host_bt, layers: int, mode, steps: int) -> float:
     """Median wall time of ``steps`` engine steps, each ending in a sync."""
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         bt.copy_(host_bt, non_blocking=True)  # the engine's per-step table upload: a new version
-        plan = sa.plan(sa.Batch(seqs), sa.LayerMask(), device=DEV)
+        plan = sa.plan(sa.Batch(seqs), sa.LayerMask(), device=dev)
         for _ in range(layers):
-            sa.attention(q, kc, vc, plan, block_table=bt, backend="triton", check_pages=check)
-        torch.cuda.synchronize()
+            sa.attention(q, kc, vc, plan, block_table=bt, backend=backend, check_pages=mode)
+        _sync(dev)
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
-def run(batch: int, kv_len: int, head_dim: int, layers: int, rounds: int, steps: int) -> dict:
-    seqs, q, kc, vc, bt = _setup(batch, kv_len, head_dim)
-    host_bt = bt.cpu().pin_memory()
-    plan = sa.plan(sa.Batch(seqs), sa.LayerMask(), device=DEV)
-    for check in (True, False):  # compile and warm both paths
-        _step_ms(seqs, q, kc, vc, bt, host_bt, layers, check, 2)
-    on, off = [], []
-    for _ in range(rounds):
-        on.append(_step_ms(seqs, q, kc, vc, bt, host_bt, layers, True, steps))
-        off.append(_step_ms(seqs, q, kc, vc, bt, host_bt, layers, False, steps))
-    alone = []
+def _alone(dev, seqs, kc, bt, steps: int) -> dict:
+    """The check without the step: the deferred launch's host time (and device time on CUDA),
+    the synchronous check's wall time."""
+    plan = sa.plan(sa.Batch(seqs), sa.LayerMask(), device=dev)
+    host, device, sync = [], [], []
     for _ in range(steps):
-        torch.cuda.synchronize()
+        _sync(dev)
+        if dev == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         t0 = time.perf_counter()
-        check_block_table(bt, plan, kc.shape[0], PAGE)
-        alone.append((time.perf_counter() - t0) * 1e3)
-    on_ms, off_ms = statistics.median(on), statistics.median(off)
-    return {
-        "batch": batch, "kv_len": kv_len, "head_dim": head_dim, "layers": layers,
-        "step_ms_check": round(on_ms, 4), "step_ms_no_check": round(off_ms, 4),
-        "check_ms": round(on_ms - off_ms, 4), "share": round((on_ms - off_ms) / off_ms, 4),
-        "check_alone_ms": round(statistics.median(alone), 4),
-    }  # fmt: skip
+        page_check.defer(bt, plan, kc.shape[0], PAGE)
+        host.append((time.perf_counter() - t0) * 1e3)
+        if dev == "cuda":
+            end.record()
+            end.synchronize()
+            device.append(start.elapsed_time(end))
+        sa.check_pending_pages()
+        _sync(dev)
+        t0 = time.perf_counter()
+        page_check.check_now(bt, plan, kc.shape[0], PAGE)
+        sync.append((time.perf_counter() - t0) * 1e3)
+    med = lambda xs: round(statistics.median(xs), 4) if xs else None
+    return {"defer_host_ms": med(host), "defer_device_ms": med(device), "sync_check_ms": med(sync)}
 
 
-def main() -> None:
+def run(dev, backend, dtype, batch, kv_len, head_dim, layers, rounds, steps) -> dict:
+    seqs, q, kc, vc, bt = _setup(dev, batch, kv_len, head_dim, dtype)
+    host_bt = bt.cpu().pin_memory() if dev == "cuda" else bt.clone()
+    args = (dev, backend, seqs, q, kc, vc, bt, host_bt, layers)
+    names = list(MODES)
+    for name in names:  # compile and warm every path
+        _step_ms(*args, MODES[name], min(steps, 2))
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % 3 :] + names[: r % 3]:
+            times[name].append(_step_ms(*args, MODES[name], steps))
+    ms = {name: statistics.median(t) for name, t in times.items()}
+    row = {"batch": batch, "kv_len": kv_len, "head_dim": head_dim, "layers": layers}
+    for name in names:
+        row[f"step_ms_{name}"] = round(ms[name], 4)
+    for name in ("deferred", "sync"):
+        row[f"share_{name}"] = round((ms[name] - ms["off"]) / ms["off"], 4)
+    row.update(_alone(dev, seqs, kc, bt, steps))
+    row["defer_host_share"] = round(row["defer_host_ms"] / ms["off"], 4)
+    return row
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for <date>-page-check-<gpu>.json")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=20)
-    args = ap.parse_args()
-    env = environment(DEV)
+    ap.add_argument("--tiny", action="store_true", help="CPU, reference backend, toy sizes")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        dev, backend, dtype, configs = "cpu", "reference", torch.float32, [(2, 40, 1), (2, 40, 2)]
+        args.rounds, args.steps = 3, 1
+    else:
+        dev, backend, dtype = "cuda", "triton", torch.bfloat16
+        configs = [(b, kv, layers) for b, kv in ((8, 4096), (64, 4096), (256, 2048)) for layers in (1, 26)]
+    env = environment(dev)
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        env["transformers"] = None
+    print(json.dumps(env), flush=True)
+    checked = verify(dev, backend, dtype)
+    print("behaviour:", json.dumps(checked), flush=True)
     rows = []
-    for batch, kv_len in ((8, 4096), (64, 4096), (256, 2048)):
-        for layers in (1, 26):
-            row = run(batch, kv_len, 128, layers, args.rounds, args.steps)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for i, (batch, kv_len, layers) in enumerate(configs):
+        row = run(dev, backend, dtype, batch, kv_len, 128 if dev == "cuda" else 16, layers, args.rounds,
+                  args.steps)  # fmt: skip
+        rows.append(row)
+        print(f"[{i + 1}/{len(configs)}]", json.dumps(row), flush=True)
     path = result_path(args.out, "page-check", env)
-    path.write_text(json.dumps({"env": env, "rows": rows}, indent=1) + "\n")
+    meta = {"env": env, "backend": backend, "page": PAGE, "modes": list(MODES), "behaviour": checked}
+    path.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     print("wrote", path)
+    return 0 if checked["ok"] else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -139,7 +139,7 @@ def run_case(sid: str, d: int, args, device: str, dtype) -> dict:
     names = list(timed)
     rounds = {n: [] for n in names}
     for r in range(args.rounds):
-        for n in names[r % len(names):] + names[: r % len(names)]:  # rotate who goes first
+        for n in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
             rounds[n].append(_time_ms(timed[n][0], device, args.reps))
     for n in names:
         ms, pairs = statistics.median(rounds[n]), timed[n][1]

@@ -9,8 +9,8 @@ import math
 
 import torch
 
-from . import backends
-from .cache import check_paged, checked_once
+from . import backends, page_check
+from .cache import check_paged
 from .device_plan import DevicePlan
 from .plan import Plan
 
@@ -75,9 +75,10 @@ def _check_packed_keys(k, v, plan) -> None:
         )
 
 
-def _check_pages(k, v, block_table, plan, check_pages: bool) -> None:
-    """A paged cache and its table against the plan (every call: the table changes per step).
-    A device plan's table entries are the engine's to check (reading them is a sync)."""
+def _check_pages(k, v, block_table, plan, how: str) -> None:
+    """A paged cache and its table against the plan (every call: the table changes per step),
+    its entries as ``how`` (page_check.mode) says. A device plan's entries are the engine's to
+    check (its lengths are on the device)."""
     if plan.capacity is not None and torch.is_tensor(block_table) and block_table.dim() == 2:
         need = -(-plan.capacity.max_kv_len // k.shape[1])
         if block_table.shape[1] < need:
@@ -86,8 +87,8 @@ def _check_pages(k, v, block_table, plan, check_pages: bool) -> None:
                 f"max_kv_len={plan.capacity.max_kv_len} needs {need} blocks of {k.shape[1]}"
             )
     check_paged(k, v, block_table, plan, names=("k", "v"))
-    if check_pages and plan.capacity is None:
-        checked_once(block_table, plan, k.shape[0], k.shape[1])
+    if how != "off" and plan.capacity is None:
+        page_check.check(block_table, plan, k.shape[0], k.shape[1], how)
 
 
 @functools.cache
@@ -156,6 +157,7 @@ def run(q, k, v, plan, block_table=None, backend="auto", scale=None, softcap=Non
         check_tensors(q, k, v, plan, block_table)  # raises the plan's TypeError
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    how = page_check.mode(check_pages)
     opts = {"softcap": softcap, "return_lse": return_lse}
     if block_table is not None:
         opts["block_table"] = block_table
@@ -166,12 +168,12 @@ def run(q, k, v, plan, block_table=None, backend="auto", scale=None, softcap=Non
         if block_table is None:
             _check_packed_keys(k, v, plan)
         else:
-            _check_pages(k, v, block_table, plan, check_pages)
+            _check_pages(k, v, block_table, plan, how)
         mod = _pick(q, plan, backend, opts)
         if key is not None:
             plan.facts[key] = mod
     elif block_table is not None:
-        _check_pages(k, v, block_table, plan, check_pages)
+        _check_pages(k, v, block_table, plan, how)
     opts["scale"] = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     return mod.forward(q, k, v, plan, **opts)
 
@@ -187,7 +189,7 @@ def attention(
     scale: float | None = None,
     softcap: float | None = None,
     return_lse: bool = False,
-    check_pages: bool = True,
+    check_pages: bool | str = True,
 ):
     """Attention of packed varlen ``q [total_q, Hq, D]`` over ``k, v [total_k, Hkv, D]`` under the
     plan's mask. Returns ``out [total_q, Hq, D]`` (q's dtype), and with ``return_lse=True`` also
@@ -201,12 +203,16 @@ def attention(
         of sequence ``r`` (its first ``kv_len`` in the plan) sits at block
         ``block_table[r, pos // block_size]``, offset ``pos % block_size``. Write the step's new
         keys first (:func:`spanattn.write_kv_cache`).
-    check_pages: verify that every block a sequence reads exists (``0 <= id < num_blocks``) and
-        raise an error naming the sequence and entry otherwise. On CUDA this reads the table
-        once per step (plan and table contents), one host sync, and never while a CUDA graph is
-        captured; engines that validate their tables themselves pass False. Unchecked, a bad id
-        reads whatever memory it points to. A device plan's table is the engine's to check.
-
+    check_pages: every block a sequence reads must exist (``0 <= id < num_blocks``), checked
+        once per step (plan and table version); a bad entry raises IndexError naming the
+        sequence, the entry and its value. ``True`` (default; also ``"deferred"``): a CUDA table
+        is checked on the device with no host sync, and a later call (or
+        :func:`spanattn.check_pending_pages`) raises, saying which earlier step it was; a CPU
+        table at once. ``"sync"``: before this call runs (on CUDA a host sync). ``False`` (also
+        ``"off"``): not checked, for engines that validate their tables. Every kernel clamps
+        block ids into the cache, so a bad table never reads outside it: the step that carries
+        it gives that sequence a wrong output and leaves the others untouched. Not checked
+        while a CUDA graph is captured, nor with a device plan (the engine's tables).
     backend: ``"auto"`` takes the first that can run this call of fa4 (CUDA, FlashAttention-4
         installed, head_dim <= 256), triton (CUDA), sdpa, reference, skipping one that declines
         a step another runs better (fa4 leaves decode-shaped and ragged span steps to triton);

@@ -58,54 +58,6 @@ def check_paged(k_cache, v_cache, block_table, plan: Plan, *, names=("k_cache", 
         )
 
 
-def check_block_table(block_table, plan: Plan, num_blocks: int, block_size: int) -> None:
-    """Every entry a sequence reads (its first ``ceil(kv_len / block_size)`` columns) names a
-    block of the cache, ``0 <= id < num_blocks``; columns past a sequence's keys are never read
-    and may hold anything. Shared blocks (prefix caching) are fine.
-
-    It reads the table's values: on CUDA one host sync, so :func:`spanattn.attention` runs it
-    once per step (per plan and table contents), never while a CUDA graph is being captured.
-    """
-    read = plan.cached(
-        ("pages_read", block_table.shape[1], block_size), lambda: _pages_read(plan, block_table, block_size)
-    )
-    if read.numel() == 0:
-        return
-    ids = torch.where(read, block_table, 0)
-    # Two reductions and one transfer: the step's only sync on this path.
-    least, most = torch.stack(torch.aminmax(ids)).tolist()
-    if least < 0 or most >= num_blocks:
-        bad = read & ((block_table < 0) | (block_table >= num_blocks))
-        r, c = (int(x) for x in bad.nonzero()[0])
-        raise IndexError(
-            f"block_table[{r}, {c}] = {int(block_table[r, c])}: sequence {r} (kv_len "
-            f"{plan.batch.seqs[r].kv_len}) reads that block, but block ids must be in "
-            f"[0, num_blocks={num_blocks})"
-        )
-
-
-def _pages_read(plan: Plan, block_table, block_size: int) -> torch.Tensor:
-    """bool ``[num_seqs, columns]``: the entries each sequence reads (on the table's device)."""
-    need = (plan.seq_lens.to(block_table.device).long() + block_size - 1) // block_size
-    return torch.arange(block_table.shape[1], device=block_table.device) < need[:, None]
-
-
-def checked_once(block_table, plan: Plan, num_blocks: int, block_size: int) -> None:
-    """:func:`check_block_table` once per plan and table contents (a table changed in place has
-    a new version; inference-mode tensors have none, so once per plan), skipped while a CUDA
-    graph is being captured (a sync is not allowed there)."""
-    if block_table.is_cuda and torch.cuda.is_current_stream_capturing():
-        return
-    key = (
-        "block_table_ok",
-        block_table.data_ptr(),
-        block_table._version,
-        tuple(block_table.shape),
-        num_blocks,
-    )
-    plan.cached(key, lambda: check_block_table(block_table, plan, num_blocks, block_size) or True)
-
-
 def _positions(plan: Plan, new_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence id, key position) of every packed key, or of this step's new keys only."""
     if new_only:
@@ -119,8 +71,15 @@ def _positions(plan: Plan, new_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return seq_id, pos
 
 
-def _slots(block_table, block_size: int, seq_id, pos) -> torch.Tensor:
-    return block_table[seq_id, pos // block_size].long() * block_size + pos % block_size
+def _slots(block_table, block_size: int, seq_id, pos, num_blocks: int | None = None) -> torch.Tensor:
+    """Flat cache slots; with ``num_blocks`` (reads) block ids clamped into the cache, so that a bad
+    table read before its check raises (page_check.py) reads a wrong block, never outside the
+    cache (on CUDA an index out of range is a device assert that ends the process). Writes do
+    not clamp: a clamped slot would be another sequence's."""
+    ids = block_table[seq_id, pos // block_size].long()
+    if num_blocks is not None:
+        ids = ids.clamp(0, num_blocks - 1)
+    return ids * block_size + pos % block_size
 
 
 def slot_mapping(plan: Plan, block_table, block_size: int) -> torch.Tensor:
@@ -145,9 +104,10 @@ def slot_mapping(plan: Plan, block_table, block_size: int) -> torch.Tensor:
     return _slots(block_table.to(plan.device), block_size, *_positions(plan, new_only=True))
 
 
-def key_slots(plan: Plan, block_table, block_size: int) -> torch.Tensor:
-    """int64 ``[total_k]`` cache slots of every key of the step, in packed (varlen) order."""
-    return _slots(block_table, block_size, *_positions(plan, new_only=False))
+def key_slots(plan: Plan, block_table, block_size: int, num_blocks: int | None = None) -> torch.Tensor:
+    """int64 ``[total_k]`` cache slots of every key of the step, in packed (varlen) order (block
+    ids clamped into ``num_blocks`` if given, see ``_slots``)."""
+    return _slots(block_table, block_size, *_positions(plan, new_only=False), num_blocks)
 
 
 def to_paged(k, v, plan: Plan, block_size: int, *, fill: float = 0.0, seed: int | None = 0):
@@ -184,7 +144,7 @@ def to_paged(k, v, plan: Plan, block_size: int, *, fill: float = 0.0, seed: int 
 def gather_kv(k_cache, v_cache, block_table, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed ``k, v [total_k, Hkv, D]`` (the varlen layout) copied out of the pages."""
     check_paged(k_cache, v_cache, block_table, plan)
-    slots = key_slots(plan, block_table, k_cache.shape[1])
+    slots = key_slots(plan, block_table, k_cache.shape[1], k_cache.shape[0])
     flat = (-1, *k_cache.shape[2:])
     return k_cache.reshape(flat)[slots], v_cache.reshape(flat)[slots]
 

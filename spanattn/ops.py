@@ -3,7 +3,8 @@ of it. Each op is opaque to dynamo, has a fake implementation giving its outputs
 is forward only (autograd reaching one raises).
 
 - ``spanattn::attention(q, k, v, lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, tables,
-  block_table, handle, plan_meta, backend, scale, softcap, check_pages) -> out`` and
+  block_table, handle, plan_meta, backend, scale, softcap, check_pages) -> out`` (check_pages:
+  ``"deferred"``, ``"sync"`` or ``"off"``, see page_check.py) and
   ``spanattn::attention_lse(...) -> (out, lse)``: the forward over packed K/V, or a paged cache
   with ``block_table``. A plan enters as its tensors plus static metadata:
 
@@ -31,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from . import api, cache
+from . import api, cache, page_check
 from .device_plan import DevicePlan
 from .plan import Plan
 
@@ -68,7 +69,7 @@ def attention_op(
     backend: str,
     scale: Optional[float],
     softcap: Optional[float],
-    check_pages: bool = True,
+    check_pages: str = "deferred",
 ) -> Tensor:
     return _forward(
         (q, k, v, lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, tables, block_table, handle, plan_meta,
@@ -93,7 +94,7 @@ def attention_lse_op(
     backend: str,
     scale: Optional[float],
     softcap: Optional[float],
-    check_pages: bool = True,
+    check_pages: str = "deferred",
 ) -> tuple[Tensor, Tensor]:
     return _forward(
         (q, k, v, lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, tables, block_table, handle, plan_meta,
@@ -145,13 +146,14 @@ def attention_call(q, k, v, plan, block_table, backend, scale, softcap, return_l
     """:func:`spanattn.attention` while torch.compile traces it: the checks that read only
     tensor shapes, then the op (the rest of the checks run inside it)."""
     api.check_tensors(q, k, v, plan, block_table)
+    how = page_check.mode(check_pages)  # a string in the op's schema: "deferred", "sync" or "off"
     if isinstance(plan, Plan):
         lengths, tables, handle, meta = (None, None, None), [], plan.handle, ""
     else:
         lengths = (plan.cu_seqlens_q, plan.cu_seqlens_k, plan.seq_lens)
         tables, handle, meta = plan.op_tables, None, plan.op_meta
     args = (q, k, v, plan.lo, plan.hi, *lengths, tables, block_table, handle, meta, backend, scale, softcap,
-            check_pages)  # fmt: skip
+            how)  # fmt: skip
     if return_lse:
         return attention_lse_op(*args)
     return attention_op(*args)

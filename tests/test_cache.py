@@ -109,34 +109,6 @@ def test_backend_without_paged_support_says_so(monkeypatch):
         sa.attention(q, kc, kc, p, block_table=bt, backend="reference")
 
 
-@pytest.mark.parametrize("value, why", [(-1, "-1"), (12, "12"), (2**31 - 1, str(2**31 - 1))])
-def test_a_block_id_outside_the_cache_is_named(value, why):
-    p, bt = _setup()
-    kc = torch.randn(12, 16, 2, 8)
-    q = torch.randn(p.total_q, 2, 8)
-    bad = bt.clone()
-    bad[1, 1] = value  # sequence 1 (kv_len 17) reads its columns 0 and 1
-    with pytest.raises(IndexError, match=rf"block_table\[1, 1\] = {why}: sequence 1 .*num_blocks=12"):
-        sa.attention(q, kc, kc, p, block_table=bad, backend="reference")
-    if value < 0:  # opted out, a negative id reads another block (torch indexing from the end)
-        sa.attention(q, kc, kc, p, block_table=bad, backend="reference", check_pages=False)
-    unread = bt.clone()
-    unread[2, 1:] = -7  # sequence 2 (kv_len 5) reads column 0 only: the rest may hold anything
-    sa.attention(q, kc, kc, p, block_table=unread, backend="reference")
-
-
-def test_the_block_table_is_checked_once_per_step_and_again_when_it_changes():
-    p, bt = _setup()
-    kc, q = torch.randn(12, 16, 2, 8), torch.randn(p.total_q, 2, 8)
-    sa.attention(q, kc, kc, p, block_table=bt, backend="reference")
-    checks = [key for key in p._cache if key[0] == "block_table_ok"]
-    sa.attention(q, kc, kc, p, block_table=bt, backend="reference")
-    assert [key for key in p._cache if key[0] == "block_table_ok"] == checks  # cached
-    bt[0, 0] = 99  # changed in place: a new version, checked again
-    with pytest.raises(IndexError, match="sequence 0"):
-        sa.attention(q, kc, kc, p, block_table=bt, backend="reference")
-
-
 def test_slot_mapping_names_the_device_plans_own():
     from spanattn.cache import slot_mapping as host_slots
 

@@ -27,15 +27,15 @@ def per_sequence(q, k, v, plan, block_table=None):
     """The dense backends' walk: ``(rows, mask, k_i, v_i)`` per sequence with queries, ``rows``
     its slice of the packed queries, ``mask`` its boolean ``[q_len, kv_len]`` from the intervals,
     ``k_i, v_i [kv_len, Hq, D]`` its keys and values (pages read through its block table row,
-    K/V heads repeated for GQA)."""
+    K/V heads repeated for GQA; block ids clamped into the cache, see ``cache._slots``)."""
     group = q.shape[1] // k.shape[-2]
     if block_table is not None:
-        page = k.shape[1]
+        num_blocks, page = k.shape[:2]
         k, v = k.flatten(0, 1), v.flatten(0, 1)
     for i, q0, q1, k0, kv_len in plan.host_layout():
         if block_table is not None:
             pos = torch.arange(kv_len, device=k.device)
-            slots = _slots(block_table, page, i, pos)
+            slots = _slots(block_table, page, i, pos, num_blocks)
             ki, vi = k[slots], v[slots]
         else:
             ki, vi = k[k0 : k0 + kv_len], v[k0 : k0 + kv_len]

@@ -329,7 +329,7 @@ def forward(
         *group_args(plan, cfg.block_n),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), block_table.stride(0) if paged else 0,
-        qk_scale, softcap_log2,
+        k.shape[0] // page_size - 1 if paged else 0, qk_scale, softcap_log2,
         HQ=hq, GROUP=hq // hkv, HEAD_DIM=head_dim, D=d,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         SOFTCAP=bool(softcap), RETURN_LSE=return_lse, PAGED=paged, PAGE_SIZE=page_size or 1,

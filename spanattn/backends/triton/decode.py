@@ -38,7 +38,7 @@ PROGRAMS_PER_SM = 32  # work items per SM the split size aims for (D1 on H200: ~
 
 @triton.jit
 def _decode_tile(
-    acc, m_i, l_i, q, K, V, n, kv_hi, lo, hi, k_row0, seq, BLOCK_TABLE, stride_bt,
+    acc, m_i, l_i, q, K, V, n, kv_hi, lo, hi, k_row0, seq, BLOCK_TABLE, stride_bt, last_page,
     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap_log2, gsel, KG,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, SOFTCAP: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -50,8 +50,9 @@ def _decode_tile(
     # Clamp addresses, not loads: keys past kv_hi re-read the last key (cached) and are masked
     # out of the scores, so every load is unpredicated along the keys.
     pos = tl.minimum(kv_idx, kv_hi)
-    if PAGED:
-        page = tl.load(BLOCK_TABLE + seq.to(tl.int64) * stride_bt + pos // PAGE_SIZE).to(tl.int64)
+    if PAGED:  # ids clamped into the cache: a table read before its check raises stays inside it
+        page = tl.load(BLOCK_TABLE + seq.to(tl.int64) * stride_bt + pos // PAGE_SIZE)
+        page = tl.minimum(tl.maximum(page, 0), last_page).to(tl.int64)
         k_off = page * stride_kb + (pos % PAGE_SIZE) * stride_kt
         v_off = page * stride_vb + (pos % PAGE_SIZE) * stride_vt
     else:
@@ -83,14 +84,14 @@ def _decode_tile(
 
 
 # scalars that change from step to step (triton would specialize on = 1 and % 16)
-RUNTIME_ARGS = ["stride_bt", "stride_ls", "num_splits", "min_split_tiles"]
+RUNTIME_ARGS = ["stride_bt", "last_page", "stride_ls", "num_splits", "min_split_tiles"]
 
 
 @triton.jit(do_not_specialize=RUNTIME_ARGS)
 def _decode_split(
     Q, K, V, OUT, LSE, OUT_PART, LSE_PART, LO, HI, CU_SEQLENS_Q, CU_SEQLENS_K, BLOCK_TABLE,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_ot, stride_oh, stride_bt, stride_ls,
+    stride_ot, stride_oh, stride_bt, last_page, stride_ls,
     num_splits, min_split_tiles, qk_scale, softcap_log2, Q_GROUP, K_GROUP, GROUP_EXTENT,
     HQ: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, RETURN_LSE: tl.constexpr,
@@ -161,7 +162,7 @@ def _decode_split(
         while n < n_end:
             acc, m_i, l_i = _decode_tile(
                 acc, m_i, l_i, q, K, V, n, kv_hi, lo, hi, k_row0, seq, BLOCK_TABLE, stride_bt,
-                stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap_log2, gsel, KG,
+                last_page, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap_log2, gsel, KG,
                 BLOCK_N, HEAD_DIM, D, SOFTCAP, PAGED, PAGE_SIZE, DOT_PRECISION, GROUPS, CLAMP,
             )  # fmt: skip
             n += BLOCK_N
@@ -169,7 +170,7 @@ def _decode_split(
         for n in range(n_begin, n_end, BLOCK_N):
             acc, m_i, l_i = _decode_tile(
                 acc, m_i, l_i, q, K, V, n, kv_hi, lo, hi, k_row0, seq, BLOCK_TABLE, stride_bt,
-                stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap_log2, gsel, KG,
+                last_page, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap_log2, gsel, KG,
                 BLOCK_N, HEAD_DIM, D, SOFTCAP, PAGED, PAGE_SIZE, DOT_PRECISION, GROUPS, CLAMP,
             )  # fmt: skip
 
@@ -307,17 +308,18 @@ def decode_forward(
     if paged:
         kb, kt, kh = k.stride()[:3]
         vb, vt, vh = v.stride()[:3]
-        bt, bt_stride, page = block_table, block_table.stride(0), k.shape[1]
+        bt, bt_stride, page, last_page = block_table, block_table.stride(0), k.shape[1], k.shape[0] - 1
     else:
         (kt, kh), (vt, vh), kb = k.stride()[:2], v.stride()[:2], 0
-        vb, bt, bt_stride, page = 0, plan.seq_lens, 0, 1
+        vb, bt, bt_stride, page, last_page = 0, plan.seq_lens, 0, 1, 0
     groups = plan.groups
     group_tensors = (plan.lo,) * 3 if groups is None else (groups.q_group, groups.k_group, groups.extents)
     _decode_split[(plan.num_seqs * hkv, splits)](
         q, k, v, out, lse if lse is not None else out, o_part, lse_part, plan.lo, plan.hi,
         plan.cu_seqlens_q, plan.cu_seqlens_k, bt,
         q.stride(0), q.stride(1), kb, kt, kh, vb, vt, vh, out.stride(0), out.stride(1), bt_stride,
-        total_q * hq, splits, -(-split_keys // block_n), qk_scale, softcap_log2, *group_tensors,
+        last_page, total_q * hq, splits, -(-split_keys // block_n), qk_scale, softcap_log2,
+        *group_tensors,
         HQ=hq, GROUP=group, HEAD_DIM=head_dim, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         SOFTCAP=bool(softcap), RETURN_LSE=return_lse, PAGED=paged, PAGE_SIZE=page,
         SPLIT=splits > 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

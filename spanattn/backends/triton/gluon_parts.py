@@ -92,7 +92,11 @@ def launch(kernel, tile_rows: int, q_rows: int, pieces: int, q, k, v, plan, sche
     hq, d = q.shape[1], q.shape[2]
     kv_rows = min(page_size, sched.block_n) if block_table is not None else sched.block_n
     boxes, heads_at = descriptors(q, k, v, q_rows, kv_rows, d // pieces)
-    paged = (block_table, block_table.stride(0)) if block_table is not None else (plan.seq_lens, 0)
+    paged = (
+        (block_table, block_table.stride(0), k.shape[0] // page_size - 1)
+        if block_table is not None
+        else (plan.seq_lens, 0, 0)
+    )
     items = sched.num_tiles * hq
     programs = min(items, sm_count(q.device)) if persistent else items
     kernel[(max(programs, 1),)](
@@ -228,8 +232,8 @@ def ring_barriers(STAGES: gl.constexpr):
 
 @gluon.jit
 def produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
-            v_ready, v_empty, v_loaded, TILE_INFO, BT, stride_bt, WALK_INFO, num_items, q_head_rows,
-            q_head_cols, kv_head_rows, kv_head_cols, HQ: gl.constexpr, GROUP: gl.constexpr,
+            v_ready, v_empty, v_loaded, TILE_INFO, BT, stride_bt, last_page, WALK_INFO, num_items,
+            q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, HQ: gl.constexpr, GROUP: gl.constexpr,
             N_INFO: gl.constexpr, Q_ROW_STEP: gl.constexpr, Q_COL_STEP: gl.constexpr,
             PIECES: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE: gl.constexpr,
             GROUPS: gl.constexpr):  # fmt: skip
@@ -268,7 +272,7 @@ def produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_re
                 mbarrier.wait(k_empty.index(slot), reuse, pred=c + t >= STAGES)
                 mbarrier.expect(k_ready.index(slot), boxes * k_desc.block_type.nbytes)
                 _load_tile(k_desc, k_ready.index(slot), k_smem, slot, n, kv_row, tma_last, kv_col,
-                           pages, kv_len, PIECES, BLOCK_N, PAGE)  # fmt: skip
+                           pages, last_page, kv_len, PIECES, BLOCK_N, PAGE)  # fmt: skip
                 mbarrier.wait(v_empty.index(slot), reuse, pred=c + t >= STAGES)
                 past_end = False
                 if PAGE != 0:
@@ -276,7 +280,7 @@ def produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_re
                 if past_end:  # paged: keys past the end are masked, but their values must be finite
                     mbarrier.expect(v_loaded, boxes * v_desc.block_type.nbytes)
                     _load_tile(v_desc, v_loaded, v_smem, slot, n, kv_row, tma_last, kv_col, pages,
-                               kv_len, PIECES, BLOCK_N, PAGE)  # fmt: skip
+                               last_page, kv_len, PIECES, BLOCK_N, PAGE)  # fmt: skip
                     mbarrier.wait(v_loaded, ends & 1)
                     ends += 1
                     _zero_rows_from(v_smem, slot, kv_len - n, PIECES, BLOCK_N)
@@ -286,18 +290,19 @@ def produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_re
                 else:
                     mbarrier.expect(v_ready.index(slot), boxes * v_desc.block_type.nbytes)
                     _load_tile(v_desc, v_ready.index(slot), v_smem, slot, n, kv_row, tma_last,
-                               kv_col, pages, kv_len, PIECES, BLOCK_N, PAGE)  # fmt: skip
+                               kv_col, pages, last_page, kv_len, PIECES, BLOCK_N, PAGE)  # fmt: skip
             c += num_tiles
             i += 1
 
 
 @gluon.jit
-def _load_tile(desc, bar, smem, slot, n, tma_row0, tma_last, kv_col, pages, kv_len,
+def _load_tile(desc, bar, smem, slot, n, tma_row0, tma_last, kv_col, pages, last_page, kv_len,
                PIECES: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr):  # fmt: skip
     """Keys (values) ``n ... n + BLOCK_N`` into ``smem`` slot ``slot``. Packed: one box per
     piece, the tile shifted back to end with the sequence. Paged (``PAGE`` tokens per page, the
-    sequence's page numbers at ``pages``): boxes of ``min(PAGE, BLOCK_N)`` rows, each inside one
-    page; a box starting past the sequence's end reads its last box again (never used)."""
+    sequence's page numbers at ``pages``, clamped into ``[0, last_page]`` so that a bad table run
+    before its check raises reads inside the cache): boxes of ``min(PAGE, BLOCK_N)`` rows, each
+    inside one page; a box starting past the sequence's end reads its last box again (never used)."""
     width: gl.constexpr = desc.block_type.shape[1]
     if PAGE == 0:
         row = tma_row0 + gl.minimum(n, tma_last)
@@ -307,7 +312,8 @@ def _load_tile(desc, bar, smem, slot, n, tma_row0, tma_last, kv_col, pages, kv_l
         sub: gl.constexpr = desc.block_type.shape[0]
         for j in gl.static_range(BLOCK_N // sub):
             pos = gl.minimum(n + j * sub, (kv_len - 1) // sub * sub)
-            row = gl.load(pages + pos // PAGE) * PAGE + pos % PAGE
+            page = gl.minimum(gl.maximum(gl.load(pages + pos // PAGE), 0), last_page)
+            row = page * PAGE + pos % PAGE
             for i in gl.static_range(PIECES):
                 dst = smem.index(slot * PIECES + i).slice(j * sub, sub)
                 tma_load(desc, [row, kv_col + i * width], bar, dst)

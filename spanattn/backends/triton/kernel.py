@@ -150,8 +150,8 @@ def _walk_tma(
 
 @triton.jit
 def _walk(
-    acc, m_i, l_i, q, K, V, start, end, kv_end, full_start, full_end, k_row0, BT, lo, hi,
-    stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
+    acc, m_i, l_i, q, K, V, start, end, kv_end, full_start, full_end, k_row0, BT, last_page, lo,
+    hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WHILE_LOOPS: tl.constexpr, GROUPS: tl.constexpr,
@@ -171,23 +171,23 @@ def _walk(
     consumer, one iteration early, and K/V keep the contiguous path's prefetch depth (sm_90
     TTGIR at d128: 3 K/V buffers as packed, where a same-iteration load got 2 plus its own)."""
     if PAGED:
-        page = tile_pages(BT, start, kv_end, offs_n, PAGE_SIZE, BLOCK_N)
+        page = tile_pages(BT, last_page, start, kv_end, offs_n, PAGE_SIZE, BLOCK_N)
     else:
         page = 0
     if WHILE_LOOPS:
         n = start
         while n < end:
             acc, m_i, l_i, page = _kv_tile(
-                acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, BT, lo, hi,
-                stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
+                acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, BT, last_page,
+                lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
                 MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, GROUPS, CLAMP,
             )  # fmt: skip
             n += BLOCK_N
     else:
         for n in range(start, end, BLOCK_N):
             acc, m_i, l_i, page = _kv_tile(
-                acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, BT, lo, hi,
-                stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
+                acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, BT, last_page,
+                lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
                 MASKED, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, GROUPS, CLAMP,
             )  # fmt: skip
     return acc, m_i, l_i
@@ -195,8 +195,8 @@ def _walk(
 
 @triton.jit
 def _kv_tile(
-    acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, BT, lo, hi,
-    stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
+    acc, m_i, l_i, q, K, V, page, n, kv_end, full_start, full_end, k_row0, BT, last_page, lo,
+    hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     GROUPS: tl.constexpr, CLAMP: tl.constexpr,
@@ -204,7 +204,7 @@ def _kv_tile(
     """The KV tile at ``n`` (its block_table entries ``page``), and the next tile's entries,
     loaded before this tile's work (see ``_walk``)."""
     if PAGED:
-        next_page = tile_pages(BT, n + BLOCK_N, kv_end, offs_n, PAGE_SIZE, BLOCK_N)
+        next_page = tile_pages(BT, last_page, n + BLOCK_N, kv_end, offs_n, PAGE_SIZE, BLOCK_N)
     else:
         next_page = page
     partial = (n < full_start) | (n + BLOCK_N > full_end)
@@ -220,8 +220,8 @@ def _kv_tile(
 @triton.jit
 def _group_piece(
     acc, m_i, l_i, q, K, V, K_DESC, V_DESC, start, end, key_end, k_row0, kv_len, kv_head, dv_part,
-    BT, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
-    SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BT, last_page, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
+    gsel, KG, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WHILE_LOOPS: tl.constexpr, DV_SPLIT: tl.constexpr, TMA: tl.constexpr, CLAMP: tl.constexpr,
 ):  # fmt: skip
@@ -237,14 +237,15 @@ def _group_piece(
         )  # fmt: skip
     else:
         acc, m_i, l_i = _walk(
-            acc, m_i, l_i, q, K, V, start, end, key_end, start, start, k_row0, BT, lo, hi, stride_kt,
-            stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG, 1, SOFTCAP, HEAD_DIM, D,
-            BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, True, CLAMP,
+            acc, m_i, l_i, q, K, V, start, end, key_end, start, start, k_row0, BT, last_page, lo, hi,
+            stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG, 1, SOFTCAP,
+            HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, True, CLAMP,
         )  # fmt: skip
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # the block table's width may change per step
+# the block table's width may change per step, and so may the cache's size (num_blocks)
+@triton.jit(do_not_specialize=["stride_bt", "last_page"])
 def attn_fwd(
     Q,
     K,
@@ -270,6 +271,7 @@ def attn_fwd(
     stride_ot,
     stride_oh,
     stride_bt,
+    last_page,
     qk_scale,
     softcap_log2,
     HQ: tl.constexpr,
@@ -400,27 +402,31 @@ def attn_fwd(
         # a tile's key range is only a few tiles long (sliding windows).
         acc, m_i, l_i = _walk(
             acc, m_i, l_i, q, K, V, kv_start, kv_end, key_end, full_start, full_end, k_row0, BT,
-            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
-            2, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, GROUPS, CLAMP,
+            last_page, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
+            gsel, KG, 2, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
+            GROUPS, CLAMP,
         )  # fmt: skip
     else:
         # PARTIAL tiles before the FULL range (sliding windows, non-causal rows, span starts).
         acc, m_i, l_i = _walk(
             acc, m_i, l_i, q, K, V, kv_start, full_start, key_end, full_start, full_end, k_row0, BT,
-            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
-            1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, GROUPS, CLAMP,
+            last_page, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
+            gsel, KG, 1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
+            GROUPS, CLAMP,
         )  # fmt: skip
         # FULL tiles: every (row, key) pair allowed and in bounds.
         acc, m_i, l_i = _walk(
             acc, m_i, l_i, q, K, V, full_start, full_end, key_end, full_start, full_end, k_row0, BT,
-            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
-            0, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, GROUPS, CLAMP,
+            last_page, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
+            gsel, KG, 0, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
+            GROUPS, CLAMP,
         )  # fmt: skip
         # PARTIAL tiles after it (the causal diagonal, span ends, chunk ends).
         acc, m_i, l_i = _walk(
             acc, m_i, l_i, q, K, V, full_end, kv_end, key_end, full_start, full_end, k_row0, BT,
-            lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG,
-            1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, GROUPS, CLAMP,
+            last_page, lo, hi, stride_kt, stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2,
+            gsel, KG, 1, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS,
+            GROUPS, CLAMP,
         )  # fmt: skip
 
     if GROUPS:
@@ -441,15 +447,16 @@ def attn_fwd(
                     if not CLAMP:  # group keys before the walk above (clamp: none below lo)
                         acc, m_i, l_i = _group_piece(
                             acc, m_i, l_i, q, K, V, K_DESC, V_DESC, a, tl.minimum(b, kv_start), b,
-                            k_row0, kv_len, kv_head, dv_part, BT, lo, hi, stride_kt, stride_vt, offs_n,
-                            offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG, SOFTCAP, HEAD_DIM, D,
-                            BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, DV_SPLIT, TMA, CLAMP,
+                            k_row0, kv_len, kv_head, dv_part, BT, last_page, lo, hi, stride_kt,
+                            stride_vt, offs_n, offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG, SOFTCAP,
+                            HEAD_DIM, D, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, DV_SPLIT,
+                            TMA, CLAMP,
                         )  # fmt: skip
                     acc, m_i, l_i = _group_piece(
                         acc, m_i, l_i, q, K, V, K_DESC, V_DESC, tl.maximum(a, main_end), b, b, k_row0,
-                        kv_len, kv_head, dv_part, BT, lo, hi, stride_kt, stride_vt, offs_n, offs_d,
-                        offs_dv, qk_scale, softcap_log2, gsel, KG, SOFTCAP, HEAD_DIM, D, BLOCK_N, PAGED,
-                        PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, DV_SPLIT, TMA, CLAMP,
+                        kv_len, kv_head, dv_part, BT, last_page, lo, hi, stride_kt, stride_vt, offs_n,
+                        offs_d, offs_dv, qk_scale, softcap_log2, gsel, KG, SOFTCAP, HEAD_DIM, D, BLOCK_N,
+                        PAGED, PAGE_SIZE, DOT_PRECISION, WHILE_LOOPS, DV_SPLIT, TMA, CLAMP,
                     )  # fmt: skip
                     r += 1
             g += 1

@@ -112,11 +112,11 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
         i += live.to(gl.int32)
 
 
-@gluon.jit(do_not_specialize=["num_items"])  # one compile whatever a step's item count
+@gluon.jit(do_not_specialize=["last_page", "num_items"])  # one compile whatever the cache or step
 def attn_fwd_gluon(
     q_desc, k_desc, v_desc, OUT, LSE, LO, HI, TILE_INFO, stride_ot, stride_oh, qk_scale,
-    softcap_log2, q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, BT, stride_bt, Q_GROUP,
-    K_GROUP, KT_GROUP, WALK_INFO, num_items, HQ: gl.constexpr, GROUP: gl.constexpr,
+    softcap_log2, q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, BT, stride_bt, last_page,
+    Q_GROUP, K_GROUP, KT_GROUP, WALK_INFO, num_items, HQ: gl.constexpr, GROUP: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
     RETURN_LSE: gl.constexpr, N_INFO: gl.constexpr, PAGE: gl.constexpr, GROUPS: gl.constexpr,
     CLAMP: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -142,7 +142,7 @@ def attn_fwd_gluon(
                      WALK_INFO, num_items, qk_scale, softcap_log2, stride_ot, stride_oh, HQ, GROUP,
                      N_INFO, HEAD_DIM, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE, PAGE, GROUPS, CLAMP)),
          (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
-                    v_ready, v_empty, v_loaded, TILE_INFO, BT, stride_bt, WALK_INFO, num_items,
+                    v_ready, v_empty, v_loaded, TILE_INFO, BT, stride_bt, last_page, WALK_INFO, num_items,
                     q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, HQ, GROUP, N_INFO, ROWS,
                     ZERO, ONE, BLOCK_N, STAGES, PAGE, GROUPS))],
         [4, 1],

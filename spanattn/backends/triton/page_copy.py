@@ -21,7 +21,7 @@ from .configs import next_pow2
 
 # every argument whose value changes from step to step, and the caller's block table (a view at
 # any offset; the plan's own tensors always start on 16 bytes)
-RUNTIME_ARGS = ["block_table_ptr", "total_k", "num_seqs", "search_steps", "stride_bt"]
+RUNTIME_ARGS = ["block_table_ptr", "total_k", "num_seqs", "search_steps", "stride_bt", "last_page"]
 # 32 KB of K and 32 KB of V per program (16 rows x 1024 elements at bf16): ~2k programs on a 32k
 # step, and at 8 warps 128 B of each per thread, 8 x 16 B loads in flight to cover HBM latency
 # (16 and 64 KB, 4 warps: the same within 5% on the H200).
@@ -33,7 +33,7 @@ NUM_WARPS = 8
 @triton.jit(do_not_specialize=RUNTIME_ARGS)
 def _copy_pages_kernel(
     K, V, OUT_K, OUT_V, cu_k_ptr, block_table_ptr,
-    total_k, num_seqs, search_steps, stride_bt, stride_kt, stride_kh, stride_vt, stride_vh,
+    total_k, num_seqs, search_steps, stride_bt, last_page, stride_kt, stride_kh, stride_vt, stride_vh,
     D: tl.constexpr, WIDTH: tl.constexpr, PAGE_SIZE: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
@@ -43,6 +43,8 @@ def _copy_pages_kernel(
     pos = rows - tl.load(cu_k_ptr + seq)
     # rows past total_k land past the last sequence's table columns: their loads stay masked
     page = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + pos // PAGE_SIZE, mask=valid, other=0)
+    # clamped into the cache: a table read before its check raises (page_check.py) stays inside it
+    page = tl.minimum(tl.maximum(page, 0), last_page)
     slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # int64: caches exceed 2^31 elements
     col = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     # head and offset within it: runs of D contiguous elements whatever the head stride, enough
@@ -73,7 +75,8 @@ def copy_pages(plan, k, v, block_table, page_size: int, out_k, out_v) -> None:
     n = plan.num_seqs
     grid = (-(-total // rows), -(-width // block_w))
     _copy_pages_kernel[grid](
-        k, v, out_k, out_v, plan.cu_seqlens_k, block_table,
-        total, n, n.bit_length(), block_table.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        D=d, WIDTH=width, PAGE_SIZE=page_size, ROWS=rows, BLOCK_W=block_w, num_warps=NUM_WARPS,
+        k, v, out_k, out_v, plan.cu_seqlens_k, block_table, total, n, n.bit_length(),
+        block_table.stride(0), k.shape[0] // page_size - 1, k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), D=d, WIDTH=width, PAGE_SIZE=page_size, ROWS=rows, BLOCK_W=block_w,
+        num_warps=NUM_WARPS,
     )  # fmt: skip

@@ -6,8 +6,10 @@ import triton.language as tl
 
 
 @triton.jit
-def tile_pages(BT, n, kv_end, offs_n, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The block_table entries (``BT`` = this sequence's row) of the KV tile starting at ``n``.
+def tile_pages(BT, last_page, n, kv_end, offs_n, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The block_table entries (``BT`` = this sequence's row) of the KV tile starting at ``n``,
+    clamped into ``[0, last_page]``: a bad table, run before its check is seen (page_check.py),
+    reads a wrong page of the cache, never outside it.
     Tiles start at multiples of BLOCK_N (see ``kv_start``), so when BLOCK_N divides PAGE_SIZE a
     tile lies in one page: one scalar. Smaller pages: one entry per key row. Positions clamp to
     ``kv_end - 1``, like the rows, so the entry read is always the sequence's own, also when
@@ -16,7 +18,7 @@ def tile_pages(BT, n, kv_end, offs_n, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.const
         page = tl.load(BT + tl.minimum(n, kv_end - 1) // PAGE_SIZE)
     else:
         page = tl.load(BT + tl.minimum(n + offs_n, kv_end - 1) // PAGE_SIZE)
-    return page
+    return tl.minimum(tl.maximum(page, 0), last_page)
 
 
 @triton.jit

@@ -1,0 +1,267 @@
+"""The block-table check (page_check.py) in its three modes, and the clamp that keeps every read
+of a bad table inside the cache. CPU tables have no CUDA events: the deferred path is driven
+through ``page_check.defer`` on them (a record without an event counts as completed), or with a
+stand-in event whose completion the test decides."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+import torch
+
+import spanattn as sa
+from spanattn import page_check
+from spanattn.cache import to_paged
+
+# sequence 0 reads columns 0-2, sequence 1 (kv_len 17) columns 0-1, sequence 2 column 0
+BATCH = sa.Batch([sa.Seq(q_len=3, kv_len=40), sa.Seq(q_len=1, kv_len=17), sa.Seq(q_len=5, kv_len=5)])
+
+
+@pytest.fixture(autouse=True)
+def no_pending():
+    """Every test starts and ends with no deferred check pending."""
+    page_check._pending.clear()
+    yield
+    page_check._pending.clear()
+
+
+def _step(batch=BATCH, page=16, seed=0, device="cpu"):
+    p = sa.plan(batch, sa.LayerMask(), device=device)
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(2, p.total_k, 1, 16, generator=g)
+    kc, vc, bt = to_paged(k.to(device), v.to(device), p, page, fill=float("nan"), seed=seed)
+    q = torch.randn(p.total_q, 2, 16, generator=g).to(device)
+    return p, q, kc, vc, bt
+
+
+def _brute(bt, kv_lens, num_blocks, page):
+    want = []
+    for r, kv in enumerate(kv_lens):
+        bad = [c for c in range(-(-kv // page)) if not 0 <= int(bt[r, c]) < num_blocks]
+        want.append([bad[0], int(bt[r, bad[0]])] if bad else [-1, 0])
+    return torch.tensor(want, dtype=torch.int32)
+
+
+def test_first_bad_entries_against_brute_force_and_the_kernel():
+    """Random tables over random lengths (entries past a sequence's keys never count): the torch
+    rule equals a per-entry loop, and the one-launch kernel equals the rule, exactly (strided
+    tables too)."""
+    from triton_cpu import DEV, load
+
+    kernel = load("page_check_triton", "_first_bad_kernel")
+    g = torch.Generator().manual_seed(0)
+    for trial in range(12):
+        n, cols, num_blocks = (int(torch.randint(1, top, (1,), generator=g)) for top in (6, 600, 50))
+        page = (16, 32)[trial % 2]
+        bt = torch.randint(-3, num_blocks + 3, (n, cols), generator=g, dtype=torch.int32)
+        bt[bt == num_blocks + 2] = 2**31 - 1
+        if trial % 3 == 0:  # column-major: the kernel takes both strides
+            bt = bt.t().contiguous().t()
+        lens = torch.randint(1, cols * page + 1, (n,), generator=g, dtype=torch.int32)
+        want = _brute(bt, lens.tolist(), num_blocks, page)
+        assert torch.equal(page_check.first_bad_entries(bt, lens, num_blocks, page), want)
+        got = kernel.first_bad_entries_triton(bt.to(DEV), lens.to(DEV), num_blocks, page)
+        assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("value", [True, False, "deferred", "sync", "off"])
+def test_check_pages_takes_its_modes(value):
+    p, q, kc, vc, bt = _step()
+    bt[2, 1:] = -7  # sequence 2 (kv_len 5) reads column 0 only: the rest may hold anything
+    sa.attention(q, kc, vc, p, block_table=bt, backend="reference", check_pages=value)
+
+
+@pytest.mark.parametrize("value", [1, 0, None, "yes", "SYNC"])
+def test_check_pages_refuses_other_values_by_name(value):
+    p, q, kc, vc, bt = _step()
+    with pytest.raises(ValueError, match="check_pages must be True .* got"):
+        sa.attention(q, kc, vc, p, block_table=bt, backend="reference", check_pages=value)
+
+
+@pytest.mark.parametrize("mode", [True, "sync"])
+@pytest.mark.parametrize("value", [-1, 12, 2**31 - 1])
+def test_a_cpu_table_raises_in_the_call_naming_the_entry(mode, value):
+    p, q, kc, vc, bt = _step()
+    bad = bt.clone()
+    bad[1, 1] = value
+    num_blocks = kc.shape[0]
+    with pytest.raises(IndexError, match=rf"block_table\[1, 1\] = {value}: sequence 1 \(kv_len 17\).*"
+                       rf"num_blocks={num_blocks}\)$"):  # fmt: skip
+        sa.attention(q, kc, vc, p, block_table=bad, backend="reference", check_pages=mode)
+
+
+def test_a_deferred_check_is_raised_by_the_next_call_naming_the_earlier_step():
+    p, q, kc, vc, bt = _step()
+    bad = bt.clone()
+    bad[2, 0] = -4  # sequence 2 (kv_len 5) reads column 0
+    bad[2, 1:] = 99  # and nothing else: never flagged
+    page_check.defer(bad, p, kc.shape[0], 16)
+    other = sa.plan(sa.Batch([sa.Seq(q_len=1, kv_len=3)]), sa.LayerMask())
+    q1, kc1, vc1, bt1 = _step(other.batch)[1:]
+    with pytest.raises(IndexError) as err:
+        sa.attention(q1, kc1, vc1, other, block_table=bt1, backend="reference")  # another plan
+    text = str(err.value)
+    assert text.startswith(f"block_table[2, 0] = -4: sequence 2 (kv_len 5) reads that block, but block ids "
+                           f"must be in [0, num_blocks={kc.shape[0]})")  # fmt: skip
+    assert "EARLIER call" in text and "3 sequences: 9 queries, kv_len 5..40" in text
+    assert "this call did not run" in text
+    sa.attention(q1, kc1, vc1, other, block_table=bt1, backend="reference")  # raised once
+    sa.check_pending_pages()
+
+
+def test_check_pending_pages_waits_and_raises_in_order():
+    p, q, kc, vc, bt = _step()
+
+    class Event:  # a CUDA event's stand-in: completes when synchronized
+        def __init__(self):
+            self.done = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+    for value in (None, 20, 30):  # a clean check, then two bad ones
+        table = bt.clone()
+        if value is not None:
+            table[0, 2] = value
+        page_check.defer(table, p, kc.shape[0], 16)
+    for rec in page_check._pending:
+        rec.done = Event()
+    sa.attention(q, kc, vc, p, block_table=bt, backend="reference")  # nothing completed: runs
+    assert len(page_check._pending) == 3
+    with pytest.raises(IndexError, match=r"block_table\[0, 2\] = 20: .*EARLIER.*check_pending_pages"):
+        sa.check_pending_pages()
+    assert len(page_check._pending) == 1  # the clean one and the first bad one are taken
+    page_check._pending[0].done.done = True
+    with pytest.raises(IndexError, match=r"block_table\[0, 2\] = 30: .*this call did not run"):
+        sa.attention(q, kc, vc, p, block_table=bt, backend="reference")
+    sa.check_pending_pages()
+
+
+def test_a_full_list_of_pending_checks_waits_for_the_oldest():
+    p, q, kc, vc, bt = _step()
+    bad = bt.clone()
+    bad[0, 0] = 50
+    page_check.defer(bad, p, kc.shape[0], 16)
+    late = type("Late", (), {"query": lambda self: False, "synchronize": lambda self: None})
+    page_check._pending[0].done = late()
+    for _ in range(page_check.MAX_PENDING - 1):
+        page_check.defer(bt, p, kc.shape[0], 16)
+    with pytest.raises(IndexError, match=r"block_table\[0, 0\] = 50"):
+        page_check.defer(bt, p, kc.shape[0], 16)
+    assert len(page_check._pending) == page_check.MAX_PENDING - 1
+
+
+def test_each_table_version_is_checked_once_per_plan_and_mode():
+    p, q, kc, vc, bt = _step()
+    checks = lambda: [key for key in p._cache if key[0] == "pages_checked"]
+    sa.attention(q, kc, vc, p, block_table=bt, backend="reference")
+    sa.attention(q, kc, vc, p, block_table=bt, backend="reference")
+    assert len(checks()) == 1
+    sa.attention(q, kc, vc, p, block_table=bt, backend="reference", check_pages="sync")
+    assert len(checks()) == 2
+    bt[0, 0] = 99  # changed in place: a new version, checked again
+    with pytest.raises(IndexError, match="sequence 0"):
+        sa.attention(q, kc, vc, p, block_table=bt, backend="reference")
+
+
+def test_an_inference_mode_table_is_checked_once_per_plan():
+    p, q, kc, vc, bt = _step()
+    with torch.inference_mode():
+        table = bt.clone()
+        sa.attention(q, kc, vc, p, block_table=table, backend="reference")
+        bad = bt.clone()
+        bad[1, 0] = -1
+    with pytest.raises(IndexError, match=r"block_table\[1, 0\] = -1"):
+        sa.attention(q, kc, vc, p, block_table=bad, backend="reference")
+
+
+def test_sync_mode_under_torch_compile():
+    p, q, kc, vc, bt = _step()
+    bad = bt.clone()
+    bad[1, 1] = 77
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def step(q, kc, vc, bt):
+        return sa.attention(q, kc, vc, p, block_table=bt, backend="reference", check_pages="sync")
+
+    want = sa.attention(q, kc, vc, p, block_table=bt, backend="reference")
+    assert torch.equal(step(q, kc, vc, bt), want)
+    with pytest.raises(IndexError, match=r"block_table\[1, 1\] = 77"):
+        step(q, kc, vc, bad)
+
+
+# The clamp: a bad table the check has not caught yet (here check_pages=False) reads inside the
+# cache, and every other sequence's output is bit for bit that of the clean table.
+DECODE = sa.Batch([sa.Seq(q_len=1, kv_len=97), sa.Seq(q_len=2, kv_len=40), sa.Seq(q_len=1, kv_len=33)])
+PREFILL = sa.Batch([sa.Seq(q_len=30, kv_len=90), sa.Seq(q_len=20, kv_len=40), sa.Seq(q_len=17, kv_len=17)])
+
+
+def _neighbours_unchanged(run, batch, device="cpu"):
+    p, q, kc, vc, bt = _step(batch, device=device)
+    clean = run(q, kc, vc, p, bt)
+    for value in (-3, kc.shape[0], 2**31 - 1):
+        bad = bt.clone()
+        bad[1, 1] = value  # sequence 1 (queries p.seq_slice(1)) reads its column 1
+        got = run(q, kc, vc, p, bad)
+        for r in (0, 2):
+            rows = p.seq_slice(r)
+            assert torch.equal(got[rows], clean[rows]), (value, r)
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_dense_backends_clamp_block_ids(backend):
+    opts = {"backend": backend, "check_pages": False}
+    run = lambda q, kc, vc, p, bt: sa.attention(q, kc, vc, p, block_table=bt, **opts)
+    _neighbours_unchanged(run, PREFILL)
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill-in-place", "prefill-page-copy"])
+def test_triton_kernels_clamp_block_ids(monkeypatch, path):
+    pytest.importorskip("triton")
+    from triton_cpu import DEV
+
+    from spanattn.backends import triton as tb
+    from spanattn.backends.triton.configs import Config
+
+    monkeypatch.setattr(tb, "GATHER_PAIRS_PER_KEY", 0 if path == "prefill-page-copy" else 10**9)
+    kernel = "auto" if path == "decode" else "prefill"
+    config = None if path == "decode" else Config(16, 16, 4, 1)
+
+    def run(q, kc, vc, p, bt):
+        return tb.forward(q, kc, vc, p, scale=0.25, block_table=bt, kernel=kernel, config=config)[0]
+
+    _neighbours_unchanged(run, DECODE if path == "decode" else PREFILL, DEV)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the deferred check of a CUDA table")
+def test_a_cuda_table_is_checked_without_stopping_the_call():
+    p, q, kc, vc, bt = _step(DECODE, device="cuda")
+    bad = bt.clone()
+    bad[1, 0] = kc.shape[0] + 5
+    clean = sa.attention(q, kc, vc, p, block_table=bt)
+    out = sa.attention(q, kc, vc, p, block_table=bad)  # runs: its check's result is read later
+    for r in (0, 2):
+        assert torch.equal(out[p.seq_slice(r)], clean[p.seq_slice(r)])
+    with pytest.raises(IndexError, match=rf"block_table\[1, 0\] = {kc.shape[0] + 5}: .*EARLIER"):
+        sa.check_pending_pages()
+    with pytest.raises(IndexError, match=r"block_table\[1, 0\]"):
+        sa.attention(q, kc, vc, p, block_table=bad, check_pages="sync")
+
+
+def test_gpu_page_check_script_small(tmp_path):
+    """benchmarks/gpu_page_check.py --tiny on CPU: the behaviour pass and every mode timed."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_page_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_page_check", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--out", str(tmp_path), "--tiny"]) == 0
+    (out,) = tmp_path.glob("*-page-check-cpu.json")
+    data = json.loads(out.read_text())
+    assert data["behaviour"]["ok"] and "block_table[1, 0]" in data["behaviour"]["sync_raised"]
+    assert data["env"]["torch"] and "transformers" in data["env"] and len(data["rows"]) == 2
+    for row in data["rows"]:
+        assert all(row[f"step_ms_{m}"] > 0 for m in ("off", "deferred", "sync")) and row["defer_host_ms"] > 0
