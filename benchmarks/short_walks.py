@@ -74,7 +74,9 @@ def contenders(d: int, device: str) -> dict:
 
 
 def _builtin(d: int):
-    """FA4's built-in causal/window call, or None where FA4 is absent."""
+    """FA4's built-in causal/window call, or None where FA4 is absent or stops short of ``d``."""
+    if d > 256:
+        return None
     try:
         from flash_attn.cute import flash_attn_varlen_func
     except Exception:  # optional peer: any import failure means "not here"

@@ -80,11 +80,23 @@ class _Pending:
     batch: Batch
     number: int
     num_blocks: int
+    buffer: torch.Tensor | None = None  # the pinned memory ``result`` views, reused once read
 
 
 _lock = threading.Lock()
 _pending: list[_Pending] = []
 _numbers = itertools.count(1)
+# Pinned buffers and events of checks already read, for the next checks: allocating pinned
+# memory and creating an event cost host time that every table would pay otherwise.
+_free: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+
+
+def _buffer_and_event(numel: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+    with _lock:
+        for i, (buf, _) in enumerate(_free):
+            if buf.numel() >= numel:
+                return _free.pop(i)
+    return torch.empty(max(numel, 1024), dtype=torch.int32, pin_memory=True), torch.cuda.Event()
 
 
 def check(block_table, plan: Plan, num_blocks: int, block_size: int, how: str) -> None:
@@ -118,15 +130,15 @@ def defer(block_table, plan: Plan, num_blocks: int, block_size: int) -> None:
     if len(_pending) >= MAX_PENDING:
         _raise_found(wait=True, where="this call did not run", limit=1)
     found = _find(block_table, plan, num_blocks, block_size)
-    done = None
+    done = buffer = None
     if found.is_cuda:
-        host = torch.empty(found.shape, dtype=found.dtype, pin_memory=True)
+        buffer, done = _buffer_and_event(found.numel())
+        host = buffer[: found.numel()].view(found.shape)
         host.copy_(found, non_blocking=True)
-        done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(found.device))
         found = host
     with _lock:
-        _pending.append(_Pending(found, done, plan.batch, next(_numbers), num_blocks))
+        _pending.append(_Pending(found, done, plan.batch, next(_numbers), num_blocks, buffer))
 
 
 def check_pending_pages() -> None:
@@ -157,6 +169,8 @@ def _raise_found(wait: bool, where: str, limit: int | None = None) -> None:
             if len(bad):
                 hit = rec, int(bad[0])
                 break
+            if rec.buffer is not None:
+                _free.append((rec.buffer, rec.done))
     if hit is None:
         return
     rec, r = hit
