@@ -155,7 +155,7 @@ class DirectCall:
         _verified[rec.key] = ok
         if not ok:
             why = f"raised {type(got).__name__}: {got}" if isinstance(got, Exception) else "gave other bits"
-            self._give_up(key, f"the direct call {why} than the public function")
+            self._give_up(key, f"its first direct call {why} (checked against the public function)")
             return want
         rec.trusted = True
         return got
