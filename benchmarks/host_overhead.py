@@ -15,6 +15,9 @@ Per (scenario, backend), N calls back to back on the same tensors, three rounds,
 - python_ms (spanattn backends): host time with every Triton launch replaced by a no-op (the
   checks, dispatch, allocations and argument building); ``launches`` per call.
 - plan_ms: ``sa.plan`` of the step, synchronized (host code, one upload, the intervals launch).
+- fa4_path (fa4): how its timed calls reached FA4's kernel: "direct" (the compiled function
+  recorded on the plan's first call, backends/fa4_direct.py) or "public" (FA4's Python
+  interface on every call, where the recording did not fit).
 On CPU there is no GPU to overlap: host_ms is the whole call (the Triton interpreter's
 execution included), python_ms the path around the launches.
 """
@@ -169,6 +172,14 @@ def fa4_own(q, k, v, plan, scale):
     return lambda: flash_attn_varlen_func(q, k, v, **args)
 
 
+def fa4_path(plan, q, k) -> str:
+    from spanattn.backends import fa4
+    from spanattn.backends.fa4_direct import Record
+
+    records = fa4._lowering(plan, q, k)[0].records.values()
+    return "+".join(sorted({"direct" if isinstance(r, Record) and r.trusted else "public" for r in records}))
+
+
 def profile_text(fn, calls: int = 300) -> str:
     with StubbedLaunches():
         fn()
@@ -229,10 +240,13 @@ def run(args):
                         row["launches"] = stub.count // (3 * n_calls + 1)
                 except ImportError:  # no triton: nothing to stub
                     pass
-                if args.profile and backend != "fa4":
+                if args.profile:  # fa4's FA4 launches are real (only Triton's are stubbed)
                     profiles[f"{name}/{backend}"] = profile_text(fn)
+            if backend == "fa4":
+                row["fa4_path"] = fa4_path(plan, q, k)
             rows.append(row)
             extra = "".join(f" {k} {row[k]:.4f}" for k in ("gpu_ms", "wall_ms", "python_ms") if k in row)
+            extra += f" via {row['fa4_path']}" if "fa4_path" in row else ""
             print(f"  {backend:10} host {row['host_ms']:.4f} ms{extra} {row.get('bound', '')}", flush=True)
     return rows, profiles
 

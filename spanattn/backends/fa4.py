@@ -26,6 +26,13 @@ whole number of tiles long: the standard single-prompt scenarios) nothing moves;
 and/or k, v are copied into it, and ``backend="auto"`` leaves such steps to triton, whose kernels
 never read another sequence's rows.
 
+Host time. A call's arguments to FA4 other than q, k, v are the plan's (tables, aux tensors,
+lengths), built once per plan; FA4's Python interface still derives its kernel's arguments from
+them on every call (0.2-0.3 ms on an H200, more than a small step's kernel). So the first call
+of a plan records FA4's compiled call and later calls make it themselves (fa4_direct.py),
+checked bit for bit against FA4's own call once per kernel, and left to FA4's interface
+wherever the recording does not fit.
+
 The sparse path uses FA4's fixed-length (batch 1) block sparsity rather than its varlen form: the
 packed tables already exist and are tested exact (tiles.py, aligned.py). Tile shapes are FA4's
 SM90 choices (128 queries by 128/112/80 keys for head_dim <= 128 / 192 / 256, 64 at 256 with a
@@ -36,10 +43,12 @@ sequences must be moved onto FA4's key tiles (they are known for SM90 only).
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 
 from ..aligned import aligned_layout, aligned_tile_tables, padded_rows, scatter_rows
+from .fa4_direct import DirectCall
 
 BLOCK_M = 128  # FA4's SM90 query tile; its block sparsity needs a multiple of it
 SM90 = (9, 0)
@@ -249,49 +258,62 @@ def _builtin_keys(plan, head_dim: int):
     return rows, plan.cached(("fa4_builtin_cu_k", rows.num), build)
 
 
-def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
-    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+def _lowering(plan, q, k):
+    """``(call, q_rows, k_rows)`` of the plan at this head shape, built once per plan: the FA4
+    call with its fixed arguments (fa4_direct.py: later calls skip FA4's Python interface) and
+    the rows q and k, v are moved to (``q_rows`` None on the built-in path, which leaves q)."""
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
 
-    common = {"softmax_scale": scale, "softcap": softcap or 0.0, "return_lse": return_lse}
-    # FA4 was checked here on contiguous packed tensors; strided views (transformers' [B, H, S, D]
-    # seen as [S, H, D]) are copied first rather than trusted to its layout handling.
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    if builtin(plan):
-        w = plan.layer.window
-        rows, cu_k = _builtin_keys(plan, q.shape[-1])
-        k, v = (scatter_rows(t, rows) for t in (k, v))
-        out, lse = flash_attn_varlen_func(
-            q,
-            k,
-            v,
-            cu_seqlens_q=plan.cu_seqlens_q,
-            cu_seqlens_k=cu_k,
-            max_seqlen_q=plan.max_seqlen_q,
-            max_seqlen_k=plan.max_seqlen_k,
-            seqused_k=None if rows.rows is None else plan.seq_lens,
-            causal=True,
-            window_size=(None, None) if w is None else (w - 1, 0),
-            **common,
-        )  # lse [Hq, total_q]
-    else:
-        tables, aux = sparse_inputs(plan, q.shape[-1])
-        layout = sparse_layout(plan, q.shape[-1])
-        q = scatter_rows(q, layout.q)  # padding rows are discarded below
-        k, v = (scatter_rows(t, layout.k) for t in (k, v))
-        out, lse = flash_attn_func(
-            q[None],
-            k[None],
-            v[None],
+    def build():
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+        # the object whose compile_cache FA4's public functions call through (None: not there)
+        host = getattr(sys.modules[flash_attn_func.__module__], "_flash_attn_fwd", None)
+        if builtin(plan):
+            w = plan.layer.window
+            rows, cu_k = _builtin_keys(plan, d)
+            call = DirectCall(
+                flash_attn_varlen_func,
+                host,
+                cu_seqlens_q=plan.cu_seqlens_q,
+                cu_seqlens_k=cu_k,
+                max_seqlen_q=plan.max_seqlen_q,
+                max_seqlen_k=plan.max_seqlen_k,
+                seqused_k=None if rows.rows is None else plan.seq_lens,
+                causal=True,
+                window_size=(None, None) if w is None else (w - 1, 0),
+            )  # lse [Hq, total_q]
+            return call, None, rows
+        tables, aux = sparse_inputs(plan, d)
+        layout = sparse_layout(plan, d)
+        call = DirectCall(
+            flash_attn_func,
+            host,
             causal=False,
             pack_gqa=_pack_gqa(q, k),
             mask_mod=_interval_mask_mod() if plan.groups is None else _group_mask_mod(plan.groups.clamp),
             aux_tensors=aux,
             block_sparse_tensors=_block_sparse(tables),
-            **common,
         )
+        return call, layout.q, layout.k
+
+    return plan.cached(("fa4_lowering", hq, hkv, d), build)
+
+
+def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
+    # FA4 was checked here on contiguous packed tensors; strided views (transformers' [B, H, S, D]
+    # seen as [S, H, D]) are copied first rather than trusted to its layout handling.
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    call, q_rows, k_rows = _lowering(plan, q, k)
+    k, v = scatter_rows(k, k_rows), scatter_rows(v, k_rows)
+    if q_rows is None:
+        out, lse = call(q, k, v, scale, softcap or 0.0, return_lse)
+    else:
+        q = scatter_rows(q, q_rows)  # padding rows are discarded below
+        out, lse = call(q[None], k[None], v[None], scale, softcap or 0.0, return_lse)
         out, lse = out[0], None if lse is None else lse[0]  # lse [1, Hq, rows] -> [Hq, rows]
-        if layout.q.rows is not None:
-            out, lse = out[layout.q.rows], None if lse is None else lse[:, layout.q.rows]
+        if q_rows.rows is not None:
+            out, lse = out[q_rows.rows], None if lse is None else lse[:, q_rows.rows]
     if not return_lse:
         return out, None  # FA4 may hand back the LSE it keeps for backward anyway
     return out, lse.transpose(0, 1).float().contiguous()
