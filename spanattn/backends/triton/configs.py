@@ -71,10 +71,15 @@ WINDOW_CONFIGS = {
 # kernel_gluon_split.py's 64-query tiles split in head_dim at d512 (32-key tiles in 2 stages, 213
 # KB: S5 272 -> 392; 64-key tiles in one stage 315, 16-key in four 288:
 # triton-h200-s12-d512-gluon.json).
+# Persistent launches (one program per SM taking work items in turn) against one program per
+# item, alternating on the H200 (results/2026-12-01-short-walks-*.json): short walks gain (S1
+# d128/d256 +6.9/+5.4%, S3 +4.7%, S4 +2.7%), long ones are even (S0/S2 0.99-1.02x); at d512 the
+# 8192 64-query items of S5 dealt in a fixed order ran 6% slower than the hardware's own
+# dispatch (48.8 vs 46.0 ms), so d512 keeps one program per item.
 GLUON_CONFIGS = {
     128: Config(128, 128, 8, 3, tma=True, gluon=True),
     256: Config(128, 64, 8, 2, tma=True, gluon=True),
-    512: Config(64, 32, 8, 2, tma=True, gluon=True),
+    512: Config(64, 32, 8, 2, tma=True, gluon=True, persistent=False),
 }
 
 # Small tiles for TRITON_INTERPRET=1 (CPU tests): cheap per step and many tile edges to cross.

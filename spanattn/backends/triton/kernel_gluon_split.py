@@ -5,8 +5,8 @@ computes its half of every Q @ K^T product; the two halves of the scores are sum
 shared memory (fp32 addition commutes, so both consumers hold bit-identical scores, row maxima
 and sums, with no further exchange), and each runs P @ V for its columns. The scores are thus
 computed once, where kernel.py's d512 configuration has two programs recompute them (1.5x the
-FLOPs). Producer warp, K/V rings, deferred P @ V, schedule and interval masks as in
-kernel_gluon.py.
+FLOPs). Producer warp, K/V rings, deferred P @ V, schedule, interval masks and the work-item
+loop as in kernel_gluon.py (launched one program per item: configs.GLUON_CONFIGS says why).
 """
 
 from __future__ import annotations
