@@ -91,7 +91,8 @@ class Plan:
 
     @cached_property
     def facts(self) -> dict:
-        """Facts about calls that hold for the plan's lifetime (api.py's checked call shapes)."""
+        """What calls on the plan keep for later calls: api.py's checked call shapes, the triton
+        backend's routes, the block table checked last (page_check.py)."""
         return {}
 
     def host_layout(self) -> list[tuple[int, int, int, int, int]]:

@@ -277,12 +277,15 @@ def test_launch_binds_every_kernel_argument(d, paged, grouped, monkeypatch):
     groups = gluon_group_args(p, sched)
     assert (groups is not None) == grouped
     monkeypatch.setattr(gluon_parts, "sm_count", lambda device: 5)
+    out = q.clone()
     for persistent in (False, True):
-        module.launch.func(Recorder(), *module.launch.args[1:], q, k, v, p, sched, q.clone(), None,
-                           0.1, 1.0, False, cfg.num_stages, block_table=table, page_size=page,
-                           groups=groups, persistent=persistent)  # fmt: skip
+        launch = module.launch.func(
+            Recorder(), *module.launch.args[1:], q, k, v, p, sched, out, False, False, cfg.num_stages,
+            paged=paged, page_size=page, bt_stride=4 if paged else 0, groups=groups, persistent=persistent,
+        )  # fmt: skip
+        launch(q, k, v, out, None, 0.1, 1.0, table)
     (grid, args, kwargs), (grid_persistent, args_persistent, _) = calls
-    assert grid == (sched.num_tiles * 8,) and grid_persistent == (5,)
+    assert grid == (sched.num_tiles * 8, 1, 1) and grid_persistent == (5, 1, 1)
     assert len(args) == len(args_persistent) and kwargs.pop("num_warps") == 4  # a launch option
     bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
     assert bound.arguments["num_items"] == sched.num_tiles * 8

@@ -10,13 +10,14 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import weakref
 
 import torch
 
 from .columns import INFO
 from .configs import Config, padded_head_dim, pick, pick_gluon
 from .schedule_triton import tile_schedule
-from .tma_layout import tma_form, token_major
+from .tma_layout import rebased, tma_form, token_major
 
 LOG2E = 1.4426950408889634
 # SPANATTN_TRITON_GLUON=0 keeps every step on kernel.py (a check against the Gluon kernels, or a
@@ -260,85 +261,157 @@ def forward(
     kernel: ``"auto"`` sends decode-shaped steps (every ``q_len`` small) to the split-KV decode
         kernel and the rest to the prefill kernel; ``"prefill"`` forces the latter.
     out: preallocated output (tests poison it). config: override the prefill tile/warp choice.
+
+    What a call runs (kernel, tiles, schedule, descriptors) is decided once per call shape
+    (``call_shape``) and kept on a host plan: later calls of that shape only allocate the output
+    and launch.
     """
+    key = call_shape(q, k, v, out, block_table, page_size, softcap, return_lse, config, lpt, kernel)
+    if key is None:
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    run = plan.facts.get(key) if key is not None and plan.capacity is None else None
+    if run is None:
+        run = _route(q, k, v, plan, softcap, return_lse, out, config, lpt, block_table, page_size, kernel)
+        if key is not None and plan.capacity is None:
+            plan.facts[key] = run
+    return run(q, k, v, out, block_table, scale, softcap)
+
+
+def call_shape(q, k, v, out, block_table, page_size, softcap, return_lse, config, lpt, kernel):
+    """Everything of a call that ``_route``'s choices and the launched kernels' compiled forms
+    depend on (shapes, strides, dtypes, devices, 16-byte alignment of every tensor; the flags;
+    the Gluon setting), or None where q, k or v has a strided last dimension (copied per call)."""
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return None
+    tensors = (q, k, v) + tuple(t for t in (out, block_table) if t is not None)
+    facts = tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors)
+    flags = (out is None, page_size, bool(softcap), return_lse, config, lpt, kernel)
+    return ("triton.call", facts, flags, os.environ.get(GLUON_ENV, ""))
+
+
+def _route(q, k, v, plan, softcap, return_lse, out, config, lpt, block_table, page_size, kernel):
+    """The kernel this call shape runs, as ``run(q, k, v, out, block_table, scale, softcap) ->
+    (out, lse)``; raises what the call cannot do."""
     why = unavailable(q, plan)
     if why is not None:
         raise RuntimeError(f"triton backend: {why}")
-    if block_table is not None and k.dim() == 4:
+    if kernel not in ("auto", "prefill"):
+        raise ValueError(f"kernel must be 'auto' or 'prefill', got {kernel!r}")
+    paged = block_table is not None
+    if paged and k.dim() == 4:
         page_size = k.shape[1]
-        k, v = k.flatten(0, 1), v.flatten(0, 1)
+    elif paged and not page_size:
+        raise ValueError("paged K/V needs page_size")
     total_q, hq, d = q.shape
-    hkv = k.shape[1]
+    hkv = k.shape[-2]
     if kernel == "auto" and config is None:
         from . import decode  # the split-KV kernel reads every K/V byte once per KV head
 
         if decode.suited(plan, hq // hkv):
-            return decode.decode_forward(
-                q, k, v, plan, scale=scale, softcap=softcap, return_lse=return_lse,
-                block_table=block_table, page_size=page_size, out=out,
-            )  # fmt: skip
-    elif kernel not in ("auto", "prefill"):
-        raise ValueError(f"kernel must be 'auto' or 'prefill', got {kernel!r}")
+            pages = lambda t: t if not paged or t.dim() == 4 else t.unflatten(0, (-1, page_size))
+            launch = decode.DecodeLaunch(
+                q, pages(k), pages(v), plan, softcap=bool(softcap), return_lse=return_lse, paged=paged
+            )
+            return lambda q, k, v, out, bt, scale, cap: launch(q, pages(k), pages(v), scale, cap, bt, out)
+    from .direct_launch import DirectLaunch
+
     kmod = _kernel_module()
-    head_dim = padded_head_dim(d)
     choose = lambda tma: config or pick(d, q.dtype, kmod.INTERPRETED, plan.layer.window, tma)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    if out is None:
-        out = torch.empty(total_q, hq, d, dtype=q.dtype, device=q.device)
-    lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device) if return_lse else None
-    if softcap:
-        qk_scale, softcap_log2 = scale / softcap, softcap * LOG2E
-    else:
-        qk_scale, softcap_log2 = scale * LOG2E, 1.0
-    paged = block_table is not None
-    if paged:
-        if not page_size:
-            raise ValueError("paged K/V needs page_size")
-        block_table = block_table.to(torch.int32)
-        block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+    flat = lambda t: t.flatten(0, 1) if t.dim() == 4 else t
+    k, v, block_table = flat(k), flat(v), _int32_rows(block_table)
     gcfg = config if config is not None else pick_gluon(d, q.dtype)
     gcfg = gcfg if gcfg is not None and gcfg.gluon else None
     gluon_pages = paged and gcfg is not None and gluon_reads_pages(q, k, v, plan, gcfg, page_size)
-    if (
-        paged
-        and not gluon_pages
-        and copies_pages(q, plan, page_size, choose(False).block_n, hkv, config is None)
-    ):
+    block_n = choose(False).block_n
+    copy = paged and not gluon_pages and copies_pages(q, plan, page_size, block_n, hkv, config is None)
+    if copy:
         k, v = _copy_pages(plan, k, v, block_table, page_size)
-        paged = False
+    paged = paged and not copy
+    plan_ref = weakref.ref(plan)  # kept on the plan: the plan itself would make a reference cycle
+    new_out = _outputs(q, return_lse)
     if gcfg is not None:
         if gluon_pages or (not paged and uses_gluon(q, k, v, plan, gcfg)):
             sched = tile_schedule(plan, gcfg.block_m, gcfg.block_n, lpt)
-            _gluon_module(GLUON_KERNELS[(d, gcfg.block_m)]).launch(
-                q, k, v, plan, sched, out, lse, qk_scale, softcap_log2, bool(softcap), gcfg.num_stages,
-                block_table=block_table if gluon_pages else None, page_size=page_size or 0,
+            launch = _gluon_module(GLUON_KERNELS[(d, gcfg.block_m)]).launch(
+                q, k, v, plan, sched, out if out is not None else new_out(None)[0], return_lse,
+                bool(softcap), gcfg.num_stages, paged=gluon_pages, page_size=page_size or 0,
+                bt_stride=block_table.stride(0) if gluon_pages else 0,
                 groups=gluon_group_args(plan, sched), persistent=gcfg.persistent,
             )  # fmt: skip
-            return out, lse
+
+            def run_gluon(q, k, v, out, bt, scale, softcap):
+                k, v, bt = flat(k), flat(v), _int32_rows(bt)
+                if copy:
+                    k, v = _copy_pages(plan_ref(), k, v, bt, page_size)
+                out, lse = new_out(out)
+                launch(q, k, v, out, lse, *_scales(scale, softcap), bt)
+                return out, lse
+
+            return run_gluon
         if config is not None:
             raise ValueError(f"config {config} asks for a Gluon kernel, which cannot run here (uses_gluon)")
     tma = not paged and uses_tma(plan, k, v, choose(True))
     cfg = choose(tma)
     sched = tile_schedule(plan, cfg.block_m, cfg.block_n, lpt)
-    kd, vd = _descriptors(k, v, cfg, d) if tma else (k, v)
-    grid = (sched.num_tiles * hq * cfg.dv_split,)
+    descs = _descriptors(k, v, cfg, d) if tma else None
     groups = plan.groups
-    kmod.attn_fwd[grid](
-        q, k, v, kd, vd, out, lse if return_lse else out,
-        plan.lo, plan.hi, sched.info, block_table if paged else plan.seq_lens,
-        *group_args(plan, cfg.block_n),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), block_table.stride(0) if paged else 0,
-        k.shape[0] // page_size - 1 if paged else 0, qk_scale, softcap_log2,
-        HQ=hq, GROUP=hq // hkv, HEAD_DIM=head_dim, D=d,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+    plan_tensors = (plan.lo, plan.hi, sched.info, plan.seq_lens)
+    launch = DirectLaunch(kmod.attn_fwd, (sched.num_tiles * hq * cfg.dv_split,), dict(
+        HQ=hq, GROUP=hq // hkv, HEAD_DIM=padded_head_dim(d), D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         SOFTCAP=bool(softcap), RETURN_LSE=return_lse, PAGED=paged, PAGE_SIZE=page_size or 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHILE_LOOPS=kmod.INTERPRETED,
         ONE_LOOP=cfg.one_loop, DV_SPLIT=cfg.dv_split, TMA=tma, N_INFO=len(INFO),
         GROUPS=groups is not None, CLAMP=groups is not None and groups.clamp,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    return out, lse
+    ))  # fmt: skip
+    group_tensors = group_args(plan, cfg.block_n)
+    last_page = k.shape[0] // page_size - 1 if paged else 0
+
+    def run_kernel(q, k, v, out, bt, scale, softcap):
+        k, v, bt = flat(k), flat(v), _int32_rows(bt)
+        if copy:
+            k, v = _copy_pages(plan_ref(), k, v, bt, page_size)
+        out, lse = new_out(out)
+        kd, vd = (rebased(descs[0], k), rebased(descs[1], v)) if tma else (k, v)
+        launch(
+            q, k, v, kd, vd, out, lse if lse is not None else out, *plan_tensors[:3],
+            bt if paged else plan_tensors[3], *group_tensors,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), bt.stride(0) if paged else 0, last_page, *_scales(scale, softcap),
+        )  # fmt: skip
+        return out, lse
+
+    return run_kernel
+
+
+def _outputs(q, return_lse: bool):
+    """``new(out) -> (out, lse)``: the call's output (``out`` or a new one like ``q``, packed)
+    and LSE (fp32, or None)."""
+    total_q, hq, d = q.shape
+    dtype, device = q.dtype, q.device
+
+    def new(out):
+        if out is None:
+            out = torch.empty(total_q, hq, d, dtype=dtype, device=device)
+        lse = torch.empty(total_q, hq, dtype=torch.float32, device=device) if return_lse else None
+        return out, lse
+
+    return new
+
+
+def _scales(scale: float, softcap) -> tuple[float, float]:
+    """The kernels' ``(qk_scale, softcap_log2)``: scores in log2 units, divided by the softcap
+    before its tanh when there is one."""
+    if softcap:
+        return scale / softcap, softcap * LOG2E
+    return scale * LOG2E, 1.0
+
+
+def _int32_rows(block_table):
+    """A block table as the kernels read it: int32, unit column stride (None stays None)."""
+    if block_table is None or (block_table.dtype == torch.int32 and block_table.stride(1) == 1):
+        return block_table
+    return block_table.to(torch.int32).contiguous()
 
 
 def group_args(plan, block_n: int) -> tuple:

@@ -280,56 +280,89 @@ def decode_forward(
         if not page_size:
             raise ValueError("flat paged K/V needs page_size")
         k, v = k.unflatten(0, (-1, page_size)), v.unflatten(0, (-1, page_size))
-    total_q, hq, d = q.shape
-    hkv = k.shape[-2]
-    group = hq // hkv
-    if not suited(plan, group):
-        raise ValueError(f"decode_forward takes q_len <= {MAX_Q_LEN} and q_len * group <= {MAX_ROWS}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension")
-    paged = block_table is not None
-    block_n, warps, stages = config or _config(d, INTERPRETED)
-    splits, split_keys = choose_splits(plan, hkv, q.device, split_keys)
-    head_dim = next_pow2(d)
-    block_m = max(16, next_pow2(plan.max_seqlen_q * group))
-    if out is None:
-        out = torch.empty_like(q)
-    lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device) if return_lse else None
-    if splits > 1:
-        o_part = torch.empty(splits, total_q, hq, head_dim, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(splits, total_q, hq, dtype=torch.float32, device=q.device)
-    else:
-        o_part = lse_part = out  # unused
-    if softcap:
-        qk_scale, softcap_log2 = scale / softcap, softcap * LOG2E
-    else:
-        qk_scale, softcap_log2 = scale * LOG2E, 0.0
-    if paged:
-        kb, kt, kh = k.stride()[:3]
-        vb, vt, vh = v.stride()[:3]
-        bt, bt_stride, page, last_page = block_table, block_table.stride(0), k.shape[1], k.shape[0] - 1
-    else:
-        (kt, kh), (vt, vh), kb = k.stride()[:2], v.stride()[:2], 0
-        vb, bt, bt_stride, page, last_page = 0, plan.seq_lens, 0, 1, 0
-    groups = plan.groups
-    group_tensors = (plan.lo,) * 3 if groups is None else (groups.q_group, groups.k_group, groups.extents)
-    _decode_split[(plan.num_seqs * hkv, splits)](
-        q, k, v, out, lse if lse is not None else out, o_part, lse_part, plan.lo, plan.hi,
-        plan.cu_seqlens_q, plan.cu_seqlens_k, bt,
-        q.stride(0), q.stride(1), kb, kt, kh, vb, vt, vh, out.stride(0), out.stride(1), bt_stride,
-        last_page, total_q * hq, splits, -(-split_keys // block_n), qk_scale, softcap_log2,
-        *group_tensors,
-        HQ=hq, GROUP=group, HEAD_DIM=head_dim, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        SOFTCAP=bool(softcap), RETURN_LSE=return_lse, PAGED=paged, PAGE_SIZE=page,
-        SPLIT=splits > 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        WHILE_LOOPS=INTERPRETED, GROUPS=groups is not None, CLAMP=groups is not None and groups.clamp,
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    if splits > 1:
-        _merge_splits[(total_q * hq,)](
-            o_part, lse_part, out, lse if lse is not None else out, total_q * hq, out.stride(0),
-            out.stride(1), splits, HQ=hq, HEAD_DIM=head_dim, D=d, RETURN_LSE=return_lse,
-            num_warps=1 if head_dim <= 128 else 2,
+    launch = DecodeLaunch(q, k, v, plan, softcap=bool(softcap), return_lse=return_lse,
+                          paged=block_table is not None, split_keys=split_keys, config=config)  # fmt: skip
+    return launch(q, k, v, scale, softcap, block_table, out)
+
+
+class DecodeLaunch:
+    """What ``decode_forward`` decides for one call shape (splits, tiles, the launches), kept
+    by callers that repeat it: ``k, v`` as caches ``[num_blocks, block_size, Hkv, D]`` when
+    ``paged``; the tensors given stand for every later call's (same shapes, strides, dtypes,
+    16-byte alignment).
+
+    >>> launch = DecodeLaunch(q, k, v, plan, softcap=False, return_lse=False)  # doctest: +SKIP
+    >>> out, lse = launch(q, k, v, scale=0.125)  # doctest: +SKIP
+    """
+
+    def __init__(self, q, k, v, plan, *, softcap: bool, return_lse: bool, paged: bool = False,
+                 split_keys=None, config=None):  # fmt: skip
+        from .direct_launch import DirectLaunch
+
+        total_q, hq, d = q.shape
+        hkv = k.shape[-2]
+        group = hq // hkv
+        if not suited(plan, group):
+            raise ValueError(f"decode_forward takes q_len <= {MAX_Q_LEN} and q_len * group <= {MAX_ROWS}")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.stride(-1) != 1:
+                raise ValueError(f"{name} must have a contiguous last dimension")
+        block_n, warps, stages = config or _config(d, INTERPRETED)
+        splits, split_keys = choose_splits(plan, hkv, q.device, split_keys)
+        head_dim = next_pow2(d)
+        block_m = max(16, next_pow2(plan.max_seqlen_q * group))
+        # The plan's tensors, not the plan: kept on the plan, this would make a reference cycle.
+        self.plan_tensors = (plan.lo, plan.hi, plan.cu_seqlens_q, plan.cu_seqlens_k)
+        self.seq_lens, self.paged, self.return_lse, self.splits = plan.seq_lens, paged, return_lse, splits
+        self.part_shape = (splits, total_q, hq, head_dim)
+        if paged:
+            kb, kt, kh = k.stride()[:3]
+            vb, vt, vh = v.stride()[:3]
+            page, last_page = k.shape[1], k.shape[0] - 1
+        else:
+            (kt, kh), (vt, vh), kb = k.stride()[:2], v.stride()[:2], 0
+            vb, page, last_page = 0, 1, 0
+        self.strides = (q.stride(0), q.stride(1), kb, kt, kh, vb, vt, vh)
+        self.split_args = (last_page, total_q * hq, splits, -(-split_keys // block_n))
+        groups = plan.groups
+        self.group_tensors = (
+            (plan.lo,) * 3 if groups is None else (groups.q_group, groups.k_group, groups.extents)
+        )
+        self.decode = DirectLaunch(_decode_split, (plan.num_seqs * hkv, splits), dict(
+            HQ=hq, GROUP=group, HEAD_DIM=head_dim, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+            SOFTCAP=softcap, RETURN_LSE=return_lse, PAGED=paged, PAGE_SIZE=page,
+            SPLIT=splits > 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            WHILE_LOOPS=INTERPRETED, GROUPS=groups is not None, CLAMP=groups is not None and groups.clamp,
+            num_warps=warps, num_stages=stages,
+        ))  # fmt: skip
+        self.merge = DirectLaunch(_merge_splits, (total_q * hq,), dict(
+            HQ=hq, HEAD_DIM=head_dim, D=d, RETURN_LSE=return_lse, num_warps=1 if head_dim <= 128 else 2,
+        ))  # fmt: skip
+
+    def __call__(self, q, k, v, scale: float, softcap=None, block_table=None, out=None):
+        """``(out, lse or None)``."""
+        total_q, hq = q.shape[0], q.shape[1]
+        if out is None:
+            out = torch.empty_like(q)
+        lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device) if self.return_lse else None
+        if self.splits > 1:
+            o_part = torch.empty(self.part_shape, dtype=torch.float32, device=q.device)
+            lse_part = torch.empty(self.part_shape[:3], dtype=torch.float32, device=q.device)
+        else:
+            o_part = lse_part = out  # unused
+        if softcap:
+            qk_scale, softcap_log2 = scale / softcap, softcap * LOG2E
+        else:
+            qk_scale, softcap_log2 = scale * LOG2E, 0.0
+        bt, bt_stride = (block_table, block_table.stride(0)) if self.paged else (self.seq_lens, 0)
+        self.decode(
+            q, k, v, out, lse if lse is not None else out, o_part, lse_part, *self.plan_tensors, bt,
+            *self.strides, out.stride(0), out.stride(1), bt_stride, *self.split_args, qk_scale,
+            softcap_log2, *self.group_tensors,
         )  # fmt: skip
-    return out, lse
+        if self.splits > 1:
+            self.merge(
+                o_part, lse_part, out, lse if lse is not None else out, total_q * hq, out.stride(0),
+                out.stride(1), self.splits,
+            )  # fmt: skip
+        return out, lse

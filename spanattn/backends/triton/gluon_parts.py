@@ -36,7 +36,7 @@ from .columns import (
     Q_ROW_LAST,
     SEQ,
 )
-from .tma_layout import tma_matrix
+from .tma_layout import rebased, tma_matrix
 
 # Triton versions the Gluon kernels were checked on, on an H200. Gluon is experimental and
 # changes between releases (triton 3.9 renamed the TMA copy); the kernels compile for sm_90 on
@@ -77,37 +77,56 @@ def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, cols], el)
 
 
-def launch(kernel, tile_rows: int, q_rows: int, pieces: int, q, k, v, plan, sched, out, lse,
-           qk_scale: float, softcap_log2: float, softcap: bool, stages: int, block_table=None,
-           page_size: int = 0, groups: tuple | None = None, persistent: bool = True) -> None:  # fmt: skip
-    """Launch Gluon ``kernel`` (``attn_fwd_gluon``'s arguments) over ``q [total_q, Hq, D]`` and
-    ``k, v [total_k, Hkv, D]`` (see ``uses_gluon``), or flat paged caches ``k, v [num_pages *
-    page_size, Hkv, D]`` read through ``block_table``: a work item per ``tile_rows``-query tile
-    of the schedule and head, one program per SM taking items in turn (``persistent``; else one
-    program per item), Q read in ``q_rows``-row boxes, K/V tiles in ``pieces`` boxes side by
-    side (of ``block_n`` rows, or ``min(page_size, block_n)`` over pages). ``groups``: the plan's
-    span groups as (query groups, key groups, key tile groups, the schedule's group walk), see
-    group_walk.py; None without."""
-    assert sched.block_m == tile_rows
-    hq, d = q.shape[1], q.shape[2]
-    kv_rows = min(page_size, sched.block_n) if block_table is not None else sched.block_n
-    boxes, heads_at = descriptors(q, k, v, q_rows, kv_rows, d // pieces)
-    paged = (
-        (block_table, block_table.stride(0), k.shape[0] // page_size - 1)
-        if block_table is not None
-        else (plan.seq_lens, 0, 0)
-    )
-    items = sched.num_tiles * hq
-    programs = min(items, sm_count(q.device)) if persistent else items
-    kernel[(max(programs, 1),)](
-        *boxes, out, lse if lse is not None else out, plan.lo, plan.hi, sched.info, out.stride(0),
-        out.stride(1), qk_scale, softcap_log2, *heads_at, *paged, *(groups or (plan.lo,) * 4), items,
-        HQ=hq, GROUP=hq // k.shape[1], HEAD_DIM=d, BLOCK_N=sched.block_n, STAGES=stages,
-        SOFTCAP=softcap, RETURN_LSE=lse is not None, N_INFO=len(INFO),
-        PAGE=page_size if block_table is not None else 0, GROUPS=groups is not None,
-        CLAMP=groups is not None and plan.groups.clamp, CONSUMER_REGS=240, PRODUCER_REGS=24,
-        num_warps=4,
-    )  # fmt: skip
+class GluonLaunch:
+    """Gluon ``kernel`` (``attn_fwd_gluon``'s arguments) over ``q [total_q, Hq, D]`` and ``k, v
+    [total_k, Hkv, D]`` (see ``uses_gluon``), or flat paged caches ``k, v [num_pages * page_size,
+    Hkv, D]`` read through a block table: a work item per ``tile_rows``-query tile of the
+    schedule and head, one program per SM taking items in turn (``persistent``; else one program
+    per item), Q read in ``q_rows``-row boxes, K/V tiles in ``pieces`` boxes side by side (of
+    ``block_n`` rows, or ``min(page_size, block_n)`` over pages). ``groups``: the plan's span
+    groups as (query groups, key groups, key tile groups, the schedule's group walk), see
+    group_walk.py; None without.
+
+    Made once per call shape (the tensors given here stand for every later call's: same shapes,
+    strides, dtypes, 16-byte alignment; ``out`` as the calls will pass it); each call then
+    rebases the descriptors and launches (direct_launch.py).
+
+    >>> launch = kernel_gluon.launch(q, k, v, plan, sched, out, True, False, 2)  # doctest: +SKIP
+    >>> launch(q, k, v, out, lse, qk_scale, 1.0)  # doctest: +SKIP
+    """
+
+    def __init__(self, kernel, tile_rows: int, q_rows: int, pieces: int, q, k, v, plan, sched, out,
+                 return_lse: bool, softcap: bool, stages: int, paged: bool = False, page_size: int = 0,
+                 bt_stride: int = 0, groups: tuple | None = None, persistent: bool = True):  # fmt: skip
+        from .direct_launch import DirectLaunch
+
+        assert sched.block_m == tile_rows
+        hq, d = q.shape[1], q.shape[2]
+        kv_rows = min(page_size, sched.block_n) if paged else sched.block_n
+        self.boxes, heads_at = descriptors(q, k, v, q_rows, kv_rows, d // pieces)
+        self.paged = paged
+        self.pages = (bt_stride, k.shape[0] // page_size - 1) if paged else (0, 0)
+        items = sched.num_tiles * hq
+        programs = min(items, sm_count(q.device)) if persistent else items
+        # Every argument but the call's tensors and scales, in the kernel's order around them.
+        self.plan_args = (plan.lo, plan.hi, sched.info, out.stride(0), out.stride(1))
+        self.heads_at = heads_at
+        self.group_args = (*(groups or (plan.lo,) * 4), items)
+        self.seq_lens = plan.seq_lens
+        self.launch = DirectLaunch(kernel, (max(programs, 1),), dict(
+            HQ=hq, GROUP=hq // k.shape[1], HEAD_DIM=d, BLOCK_N=sched.block_n, STAGES=stages,
+            SOFTCAP=softcap, RETURN_LSE=return_lse, N_INFO=len(INFO), PAGE=page_size if paged else 0,
+            GROUPS=groups is not None, CLAMP=groups is not None and plan.groups.clamp,
+            CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4,
+        ))  # fmt: skip
+
+    def __call__(self, q, k, v, out, lse, qk_scale: float, softcap_log2: float, block_table=None) -> None:
+        bq, bk, bv = self.boxes
+        self.launch(
+            rebased(bq, q), rebased(bk, k), rebased(bv, v), out, lse if lse is not None else out,
+            *self.plan_args, qk_scale, softcap_log2, *self.heads_at,
+            block_table if self.paged else self.seq_lens, *self.pages, *self.group_args,
+        )  # fmt: skip
 
 
 @functools.cache  # a device property query costs microseconds of host time per call

@@ -152,4 +152,4 @@ def attn_fwd_gluon(
 
 
 # A 128-query tile, Q read as two 64-row boxes, each K/V tile as one box.
-launch = functools.partial(parts.launch, attn_fwd_gluon, 2 * ROWS.value, ROWS.value, 1)
+launch = functools.partial(parts.GluonLaunch, attn_fwd_gluon, 2 * ROWS.value, ROWS.value, 1)

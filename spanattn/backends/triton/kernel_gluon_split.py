@@ -166,4 +166,4 @@ def attn_fwd_gluon_split(
 
 
 # A 64-query tile, Q and each K/V tile read as two column halves.
-launch = functools.partial(parts.launch, attn_fwd_gluon_split, ROWS.value, ROWS.value, 2)
+launch = functools.partial(parts.GluonLaunch, attn_fwd_gluon_split, ROWS.value, ROWS.value, 2)
