@@ -172,8 +172,9 @@ def run(q, k, v, plan, block_table=None, backend="auto", scale=None, softcap=Non
         mod = _pick(q, plan, backend, opts)
         if key is not None:
             plan.facts[key] = mod
-    elif block_table is not None:
-        _check_pages(k, v, block_table, plan, how)
+    elif block_table is not None and how != "off" and plan.capacity is None:
+        # The key holds what check_paged reads (shapes, dtypes, devices); the entries change.
+        page_check.check(block_table, plan, k.shape[0], k.shape[1], how)
     opts["scale"] = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     return mod.forward(q, k, v, plan, **opts)
 
@@ -206,7 +207,7 @@ def attention(
     check_pages: every block a sequence reads must exist (``0 <= id < num_blocks``), checked
         once per step (plan and table version); a bad entry raises IndexError naming the
         sequence, the entry and its value. ``True`` (default; also ``"deferred"``): a CUDA table
-        is checked on the device with no host sync, and a later call (or
+        is checked on the device with no host sync, and a later step's first call (or
         :func:`spanattn.check_pending_pages`) raises, saying which earlier step it was; a CPU
         table at once. ``"sync"``: before this call runs (on CUDA a host sync). ``False`` (also
         ``"off"``): not checked, for engines that validate their tables. Every kernel clamps

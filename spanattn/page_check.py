@@ -5,10 +5,10 @@ caching) are fine. It runs once per plan and table version, never while a CUDA g
 captured, in one of three modes (``check_pages``):
 
 - ``True`` (or ``"deferred"``, the default): a CUDA table is checked by one small launch that
-  finds each sequence's first bad entry, copied to pinned host memory behind a CUDA event: no
-  host sync. A later call that checks pages (any plan) raises the error of a check that has
-  completed by then; :func:`check_pending_pages` waits for them all. A CPU table is checked at
-  once (reading it costs no sync).
+  writes each sequence's first bad entry to pinned host memory, behind a CUDA event: no host
+  sync. A later call that checks a new table (any plan: the next step) raises the error of a
+  check that has completed by then; :func:`check_pending_pages` waits for them all. A CPU table
+  is checked at once (reading it costs no sync).
 - ``"sync"``: checked before the call, which raises instead of running (on CUDA a host sync).
 - ``False`` (or ``"off"``): not checked, for engines that validate their tables themselves.
 
@@ -70,6 +70,25 @@ def _find(block_table, plan: Plan, num_blocks: int, block_size: int) -> torch.Te
     return first_bad_entries(block_table, plan.seq_lens, num_blocks, block_size)
 
 
+def _find_into(block_table, plan: Plan, num_blocks: int, block_size: int, host: torch.Tensor) -> None:
+    """``_find`` of a CUDA table into pinned ``host``: the kernel writes it through the GPU's
+    mapping of pinned memory (no copy launched), or where the launch refuses host memory, a
+    device result copied in behind it."""
+    from .page_check_triton import first_bad_entries_triton
+
+    global _mapped
+    if _mapped:
+        try:
+            first_bad_entries_triton(block_table, plan.seq_lens, num_blocks, block_size, out=host)
+            return
+        except (ValueError, RuntimeError):  # pinned memory without a device mapping
+            _mapped = False
+    host.copy_(_find(block_table, plan, num_blocks, block_size), non_blocking=True)
+
+
+_mapped = True  # can kernels write pinned host memory here (unified addressing)?
+
+
 @dataclass
 class _Pending:
     """A deferred check: its result (on the host once ``done`` has completed; ``None``: it
@@ -100,19 +119,29 @@ def _buffer_and_event(numel: int) -> tuple[torch.Tensor, torch.cuda.Event]:
 
 
 def check(block_table, plan: Plan, num_blocks: int, block_size: int, how: str) -> None:
-    """The check of one call (``how`` from :func:`mode`, not ``"off"``): first raise what a
-    completed earlier check found, then check this table once per plan and table version
-    (inference-mode tensors have no version: once per plan)."""
+    """The check of one call (``how`` from :func:`mode`, not ``"off"``): once per plan and table
+    version (inference-mode tensors have no version: once per plan), first raise what a completed
+    earlier check found, then check this table. The layers of a step after its first, passing
+    the same table, pay one compare: this runs on every attention call."""
+    version = None if block_table.is_inference() else block_table._version
+    last = plan.facts.get("pages_checked_last")  # the table object checked last: one compare
+    if last is not None and last[0] is block_table and last[1:] == (version, how, num_blocks):
+        return
     if block_table.is_cuda and torch.cuda.is_current_stream_capturing():
         return  # neither a sync nor an event query is allowed while capturing
-    if _pending:
-        _raise_found(wait=False, where="this call did not run")
-    version = None if block_table.is_inference() else block_table._version
     key = ("pages_checked", how, block_table.data_ptr(), version, tuple(block_table.shape), num_blocks)
-    if how == "deferred" and block_table.is_cuda:
-        plan.cached(key, lambda: defer(block_table, plan, num_blocks, block_size) or True)
-    else:
-        plan.cached(key, lambda: check_now(block_table, plan, num_blocks, block_size) or True)
+
+    def first() -> bool:
+        if _pending:
+            _raise_found(wait=False, where="this call did not run")
+        if how == "deferred" and block_table.is_cuda:
+            defer(block_table, plan, num_blocks, block_size)
+        else:
+            check_now(block_table, plan, num_blocks, block_size)
+        return True
+
+    plan.cached(key, first)
+    plan.facts["pages_checked_last"] = (block_table, version, how, num_blocks)
 
 
 def check_now(block_table, plan: Plan, num_blocks: int, block_size: int) -> None:
@@ -129,14 +158,14 @@ def defer(block_table, plan: Plan, num_blocks: int, block_size: int) -> None:
     :func:`check_pending_pages` raises what it found."""
     if len(_pending) >= MAX_PENDING:
         _raise_found(wait=True, where="this call did not run", limit=1)
-    found = _find(block_table, plan, num_blocks, block_size)
     done = buffer = None
-    if found.is_cuda:
-        buffer, done = _buffer_and_event(found.numel())
-        host = buffer[: found.numel()].view(found.shape)
-        host.copy_(found, non_blocking=True)
-        done.record(torch.cuda.current_stream(found.device))
-        found = host
+    if block_table.is_cuda:
+        buffer, done = _buffer_and_event(2 * plan.num_seqs)
+        found = buffer[: 2 * plan.num_seqs].view(plan.num_seqs, 2)
+        _find_into(block_table, plan, num_blocks, block_size, found)
+        done.record(torch.cuda.current_stream(block_table.device))
+    else:
+        found = _find(block_table, plan, num_blocks, block_size)
     with _lock:
         _pending.append(_Pending(found, done, plan.batch, next(_numbers), num_blocks, buffer))
 
@@ -165,9 +194,9 @@ def _raise_found(wait: bool, where: str, limit: int | None = None) -> None:
                 elif not rec.done.query():
                     break  # later ones are most likely behind it on the stream: one query per call
             _pending.remove(rec)
-            bad = (rec.result[:, 0] >= 0).nonzero()
-            if len(bad):
-                hit = rec, int(bad[0])
+            columns = rec.result[:, 0].numpy()  # numpy: a torch op on a small host tensor costs ~10 us
+            if columns.max(initial=-1) >= 0:
+                hit = rec, int((columns >= 0).argmax())
                 break
             if rec.buffer is not None:
                 _free.append((rec.buffer, rec.done))

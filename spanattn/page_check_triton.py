@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .backends.triton.direct_launch import DirectLaunch
+
 RUNTIME_ARGS = ["num_blocks", "block_size", "columns", "stride_bt", "stride_bc"]
 BLOCK_C = 256  # 16 chunks at most for 64k keys in pages of 16
 
@@ -38,12 +40,20 @@ def _first_bad_kernel(
     tl.store(OUT + 2 * seq + 1, value)
 
 
-def first_bad_entries_triton(block_table, seq_lens, num_blocks: int, block_size: int) -> torch.Tensor:
-    """page_check.first_bad_entries of an int32 table, ``seq_lens`` on its device: no sync."""
+def first_bad_entries_triton(block_table, seq_lens, num_blocks: int, block_size: int, out=None):
+    """page_check.first_bad_entries of an int32 table, ``seq_lens`` on its device: no sync.
+    ``out``: int32 ``[num_seqs, 2]`` to write, on the device or in pinned host memory (which the
+    GPU writes through its mapping: no copy back)."""
     n, columns = block_table.shape
-    out = torch.empty((n, 2), dtype=torch.int32, device=block_table.device)
-    _first_bad_kernel[(n,)](
-        block_table, seq_lens, out, num_blocks, block_size, columns, *block_table.stride(),
-        BLOCK_C=BLOCK_C, num_warps=2,
-    )  # fmt: skip
+    if out is None:
+        out = torch.empty((n, 2), dtype=torch.int32, device=block_table.device)
+    # What the compiled kernel depends on besides the grid: the pointers' dtypes and alignment.
+    key = (n, block_table.dtype, block_table.data_ptr() % 16, seq_lens.dtype, seq_lens.data_ptr() % 16)
+    launch = _launches.get(key)
+    if launch is None:
+        launch = _launches[key] = DirectLaunch(_first_bad_kernel, (n,), dict(BLOCK_C=BLOCK_C, num_warps=2))
+    launch(block_table, seq_lens, out, num_blocks, block_size, columns, *block_table.stride())
     return out
+
+
+_launches: dict[tuple, DirectLaunch] = {}  # one per batch size (and alignment) seen

@@ -136,8 +136,10 @@ def test_check_pending_pages_waits_and_raises_in_order():
         sa.check_pending_pages()
     assert len(page_check._pending) == 1  # the clean one and the first bad one are taken
     page_check._pending[0].done.done = True
+    sa.attention(q, kc, vc, p, block_table=bt, backend="reference")  # a table checked before: no query
+    assert len(page_check._pending) == 1
     with pytest.raises(IndexError, match=r"block_table\[0, 2\] = 30: .*this call did not run"):
-        sa.attention(q, kc, vc, p, block_table=bt, backend="reference")
+        sa.attention(q, kc, vc, p, block_table=bt.clone(), backend="reference")  # the next step's
     sa.check_pending_pages()
 
 
@@ -166,6 +168,22 @@ def test_each_table_version_is_checked_once_per_plan_and_mode():
     bt[0, 0] = 99  # changed in place: a new version, checked again
     with pytest.raises(IndexError, match="sequence 0"):
         sa.attention(q, kc, vc, p, block_table=bt, backend="reference")
+
+
+def test_later_layers_of_a_step_do_not_look_at_pending_checks(monkeypatch):
+    """Every attention call checks pages: the layers after a step's first, with its table, cost
+    one compare (no event query, no key), a new table looks at the pending checks first."""
+    p, q, kc, vc, bt = _step()
+    sa.attention(q, kc, vc, p, block_table=bt, backend="reference")
+    page_check.defer(bt, p, kc.shape[0], 16)  # a pending check (a clean one)
+    looked = []
+    real = page_check._raise_found
+    monkeypatch.setattr(page_check, "_raise_found", lambda *a, **kw: looked.append(1) or real(*a, **kw))
+    for _ in range(3):
+        sa.attention(q, kc, vc, p, block_table=bt, backend="reference")
+    assert looked == []
+    sa.attention(q, kc, vc, p, block_table=bt.clone(), backend="reference")
+    assert looked == [1] and not page_check._pending
 
 
 def test_an_inference_mode_table_is_checked_once_per_plan():
@@ -248,6 +266,7 @@ def test_a_cuda_table_is_checked_without_stopping_the_call():
         assert torch.equal(out[p.seq_slice(r)], clean[p.seq_slice(r)])
     with pytest.raises(IndexError, match=rf"block_table\[1, 0\] = {kc.shape[0] + 5}: .*EARLIER"):
         sa.check_pending_pages()
+    assert page_check._mapped  # the kernel wrote pinned host memory: no copy back launched
     with pytest.raises(IndexError, match=r"block_table\[1, 0\]"):
         sa.attention(q, kc, vc, p, block_table=bad, check_pages="sync")
 
