@@ -5,7 +5,8 @@ plan (built and used once before timing), small steps and large.
     python benchmarks/host_overhead.py --out DIR --device cpu  # CPU smoke run, tiny steps
     python benchmarks/host_overhead.py --out DIR --device cpu --profile  # + cProfile of the Python path
 
-Per (scenario, backend), N calls back to back on the same tensors, three rounds, medians:
+Per (scenario, backend), N calls back to back on the same tensors, three rounds in which the
+backends take turns, medians:
 - host_ms: wall time of the N calls / N while the GPU is held busy by a sleep kernel queued
   first, so that no launch waits for the GPU: what the host spends per call.
 - gpu_ms: CUDA events around the same N calls (after the sleep): GPU time per call, calls back
@@ -103,47 +104,53 @@ def _sleep_cycles_per_ms() -> float:
     return 10_000_000 / start.elapsed_time(end)
 
 
-def time_calls(fn, device, n: int, rounds: int = 3, cycles_per_ms: float | None = None) -> dict:
-    """host_ms, gpu_ms, wall_ms per call (medians over rounds); CPU: host_ms only."""
-    fn()
+def time_round(fn, device, n: int, cycles_per_ms: float | None = None, guess_ms: float = 1.0) -> dict:
+    """One round of ``n`` calls: host_ms, gpu_ms, wall_ms per call (CPU: host_ms only)."""
     cuda = torch.device(device).type == "cuda"
     if not cuda:
-        times = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            times.append((time.perf_counter() - t0) * 1e3 / n)
-        return {"host_ms": statistics.median(times)}
-    host, gpu, wall = [], [], []
-    guess_ms = 1.0
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(int(cycles_per_ms * (2 * guess_ms * n + 5)))  # the GPU stays behind
-        start.record()
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
-        t1 = time.perf_counter()
-        end.record()
-        torch.cuda.synchronize()
-        host.append((t1 - t0) * 1e3 / n)
-        gpu.append(start.elapsed_time(end) / n)
-        guess_ms = max(host[-1], 0.01)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        wall.append(start.elapsed_time(end) / n)
-    out = {
-        "host_ms": statistics.median(host),
-        "gpu_ms": statistics.median(gpu),
-        "wall_ms": statistics.median(wall),
-    }
-    out["bound"] = "host" if out["host_ms"] > out["gpu_ms"] else "gpu"
+        return {"host_ms": (time.perf_counter() - t0) * 1e3 / n}
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(cycles_per_ms * (2 * guess_ms * n + 5)))  # the GPU stays behind
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    end.record()
+    torch.cuda.synchronize()
+    out = {"host_ms": (t1 - t0) * 1e3 / n, "gpu_ms": start.elapsed_time(end) / n}
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    out["wall_ms"] = start.elapsed_time(end) / n
+    return out
+
+
+def time_calls(calls: dict, device, n: int, rounds: int = 3, cycles_per_ms: float | None = None) -> dict:
+    """Per name in ``calls``: host_ms, gpu_ms, wall_ms per call, medians over ``rounds`` rounds
+    in which the calls take turns (the order rotating), so that a slow stretch of the machine
+    falls on every contender alike."""
+    names = list(calls)
+    for fn in calls.values():
+        fn()
+    seen = {name: [] for name in names}
+    guess = dict.fromkeys(names, 1.0)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            seen[name].append(time_round(calls[name], device, n, cycles_per_ms, guess[name]))
+            guess[name] = max(seen[name][-1]["host_ms"], 0.01)
+    out = {}
+    for name, times in seen.items():
+        out[name] = {key: statistics.median(t[key] for t in times) for key in times[0]}
+        if "gpu_ms" in out[name]:
+            out[name]["bound"] = "host" if out[name]["host_ms"] > out[name]["gpu_ms"] else "gpu"
     return out
 
 
@@ -227,16 +234,16 @@ def run(args):
         own = fa4_own(q, k, v, plan, d**-0.5) if cuda else None
         if own is not None:
             calls["fa4-own"] = own
+        timed = time_calls(calls, device, n_calls, cycles_per_ms=cpm)
         for backend, fn in calls.items():
-            n = n_calls
             row = {"scenario": name, "backend": backend, "total_q": plan.total_q, "plan_ms": pms}
-            row.update(time_calls(fn, device, n, cycles_per_ms=cpm))
+            row.update(timed[backend])
             if backend in BACKENDS:
                 try:
                     with StubbedLaunches() as stub:
                         fn()
                         stub.count = 0
-                        row["python_ms"] = time_calls(fn, "cpu", n_calls)["host_ms"]
+                        row["python_ms"] = time_calls({backend: fn}, "cpu", n_calls)[backend]["host_ms"]
                         row["launches"] = stub.count // (3 * n_calls + 1)
                 except ImportError:  # no triton: nothing to stub
                     pass
