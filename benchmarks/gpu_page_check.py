@@ -11,8 +11,10 @@ call: a host sync). Here an eager decode loop runs as an engine's would: per ste
 is copied in from pinned host memory (a new version of it), a plan is built for the step,
 ``layers`` attention calls of one layer kind read the paged cache (triton backend), and the step
 ends with a sync (where an engine reads its sampled tokens). Per batch size and layer count the
-three modes take turns by round (the order rotating); medians. The step holds attention only (no
-projections, no MLP), so a check's share of a real model's step is smaller than ``share`` here.
+three modes take turns by round (the order rotating); medians. Steps of attention alone (no
+projections, no MLP) bound a check's share from above; rows with ``model`` add to every layer
+what a Gemma 3 1B layer does besides attention (two RMS norms, the QKV and output projections,
+the gated MLP at its sizes, bf16), the share in a model's eager decode step.
 
 Also timed, the check alone: the host time of the deferred launch (``page_check.defer``: what
 the default adds to a step's host path), its device time (CUDA events around it), and the
@@ -101,14 +103,38 @@ def verify(dev: str, backend: str, dtype) -> dict:
     return res
 
 
-def _step_ms(dev, backend, seqs, q, kc, vc, bt, host_bt, layers: int, mode, steps: int) -> float:
-    """Median wall time of ``steps`` engine steps, each ending in a sync."""
+# Gemma 3 1B's decoder layer besides attention: hidden 1152, 4 query heads and 1 KV head of 256,
+# MLP 6912 (the attention itself runs at the benchmark's own heads).
+HIDDEN, QKV_OUT, O_IN, MLP = 1152, 1536, 1024, 6912
+
+
+def _model_weights(dev, dtype):
+    g = torch.Generator(device=dev).manual_seed(0)
+    shapes = ((HIDDEN, QKV_OUT), (O_IN, HIDDEN), (HIDDEN, 2 * MLP), (MLP, HIDDEN))
+    return [torch.randn(s, device=dev, dtype=dtype, generator=g) * s[0] ** -0.5 for s in shapes]
+
+
+def _layer_rest(x, weights):
+    """A decoder layer's work besides attention (its launches are what a step's host pays)."""
+    w_qkv, w_o, w_gate_up, w_down = weights
+    qkv = torch.nn.functional.rms_norm(x, (HIDDEN,)) @ w_qkv
+    x = x + qkv[:, :O_IN] @ w_o
+    gate, up = (torch.nn.functional.rms_norm(x, (HIDDEN,)) @ w_gate_up).chunk(2, -1)
+    return x + (torch.nn.functional.gelu(gate, approximate="tanh") * up) @ w_down
+
+
+def _step_ms(dev, backend, seqs, q, kc, vc, bt, host_bt, layers: int, mode, steps: int, model=None) -> float:
+    """Median wall time of ``steps`` engine steps, each ending in a sync; ``model``: the other
+    work of each layer (``_model_weights``)."""
     times = []
+    x = torch.zeros(len(seqs), HIDDEN, device=q.device, dtype=q.dtype) if model else None
     for _ in range(steps):
         t0 = time.perf_counter()
         bt.copy_(host_bt, non_blocking=True)  # the engine's per-step table upload: a new version
         plan = sa.plan(sa.Batch(seqs), sa.LayerMask(), device=dev)
         for _ in range(layers):
+            if model:
+                x = _layer_rest(x, model)
             sa.attention(q, kc, vc, plan, block_table=bt, backend=backend, check_pages=mode)
         _sync(dev)
         times.append((time.perf_counter() - t0) * 1e3)
@@ -141,19 +167,20 @@ def _alone(dev, seqs, kc, bt, steps: int) -> dict:
     return {"defer_host_ms": med(host), "defer_device_ms": med(device), "sync_check_ms": med(sync)}
 
 
-def run(dev, backend, dtype, batch, kv_len, head_dim, layers, rounds, steps) -> dict:
+def run(dev, backend, dtype, batch, kv_len, head_dim, layers, rounds, steps, model=False) -> dict:
     seqs, q, kc, vc, bt = _setup(dev, batch, kv_len, head_dim, dtype)
     host_bt = bt.cpu().pin_memory() if dev == "cuda" else bt.clone()
     args = (dev, backend, seqs, q, kc, vc, bt, host_bt, layers)
+    weights = _model_weights(dev, dtype) if model else None
     names = list(MODES)
     for name in names:  # compile and warm every path
-        _step_ms(*args, MODES[name], min(steps, 2))
+        _step_ms(*args, MODES[name], min(steps, 2), weights)
     times = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % 3 :] + names[: r % 3]:
-            times[name].append(_step_ms(*args, MODES[name], steps))
+            times[name].append(_step_ms(*args, MODES[name], steps, weights))
     ms = {name: statistics.median(t) for name, t in times.items()}
-    row = {"batch": batch, "kv_len": kv_len, "head_dim": head_dim, "layers": layers}
+    row = {"batch": batch, "kv_len": kv_len, "head_dim": head_dim, "layers": layers, "model": model}
     for name in names:
         row[f"step_ms_{name}"] = round(ms[name], 4)
     for name in ("deferred", "sync"):
@@ -171,11 +198,14 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU, reference backend, toy sizes")
     args = ap.parse_args(argv)
     if args.tiny:
-        dev, backend, dtype, configs = "cpu", "reference", torch.float32, [(2, 40, 1), (2, 40, 2)]
+        dev, backend, dtype = "cpu", "reference", torch.float32
+        configs = [(2, 40, 1, False), (2, 40, 2, False), (2, 40, 2, True)]
         args.rounds, args.steps = 3, 1
     else:
         dev, backend, dtype = "cuda", "triton", torch.bfloat16
-        configs = [(b, kv, layers) for b, kv in ((8, 4096), (64, 4096), (256, 2048)) for layers in (1, 26)]
+        sizes = ((8, 4096), (64, 4096), (256, 2048))
+        configs = [(b, kv, layers, False) for b, kv in sizes for layers in (1, 26)]
+        configs += [(b, kv, 26, True) for b, kv in sizes]
     env = environment(dev)
     try:
         import transformers
@@ -187,9 +217,9 @@ def main(argv=None) -> int:
     checked = verify(dev, backend, dtype)
     print("behaviour:", json.dumps(checked), flush=True)
     rows = []
-    for i, (batch, kv_len, layers) in enumerate(configs):
+    for i, (batch, kv_len, layers, model) in enumerate(configs):
         row = run(dev, backend, dtype, batch, kv_len, 128 if dev == "cuda" else 16, layers, args.rounds,
-                  args.steps)  # fmt: skip
+                  args.steps, model)  # fmt: skip
         rows.append(row)
         print(f"[{i + 1}/{len(configs)}]", json.dumps(row), flush=True)
     path = result_path(args.out, "page-check", env)

@@ -5,8 +5,8 @@ plan (built and used once before timing), small steps and large.
     python benchmarks/host_overhead.py --out DIR --device cpu  # CPU smoke run, tiny steps
     python benchmarks/host_overhead.py --out DIR --device cpu --profile  # + cProfile of the Python path
 
-Per (scenario, backend), N calls back to back on the same tensors, three rounds in which the
-backends take turns, medians:
+Per (scenario, backend), N calls back to back on the same tensors, three rounds (``--rounds``) in
+which the backends take turns, medians:
 - host_ms: wall time of the N calls / N while the GPU is held busy by a sleep kernel queued
   first, so that no launch waits for the GPU: what the host spends per call.
 - gpu_ms: CUDA events around the same N calls (after the sleep): GPU time per call, calls back
@@ -216,7 +216,7 @@ def run(args):
         pms = plan_ms(batch, layer, device)
         print(f"{name}: {plan.total_q} queries, {plan.total_k} keys, plan() {pms:.3f} ms", flush=True)
         calls = {}
-        for backend in BACKENDS:
+        for backend in args.backends:
             if backend == "reference" and plan.total_q > 4096:
                 continue  # dense fp32 scores of a 16k step: minutes, and not a serving path
             if not cuda and backend == "triton" and plan.total_q > 64:
@@ -234,7 +234,7 @@ def run(args):
         own = fa4_own(q, k, v, plan, d**-0.5) if cuda else None
         if own is not None:
             calls["fa4-own"] = own
-        timed = time_calls(calls, device, n_calls, cycles_per_ms=cpm)
+        timed = time_calls(calls, device, n_calls, args.rounds, cycles_per_ms=cpm)
         for backend, fn in calls.items():
             row = {"scenario": name, "backend": backend, "total_q": plan.total_q, "plan_ms": pms}
             row.update(timed[backend])
@@ -295,6 +295,9 @@ def main():
     ap.add_argument("--out", required=True, help="folder for <date>-host-overhead-<gpu>.json (and .png)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--calls", type=int, default=None, help="calls per round (default 50 on CUDA)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds in which the contenders take turns")
+    ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS,
+                    help="spanattn backends to time (FA4's own call is timed wherever FA4 runs)")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="also cProfile each backend's Python path")
     args = ap.parse_args()
     out = Path(args.out)
@@ -307,6 +310,7 @@ def main():
     except ImportError:
         meta["transformers"] = None
     meta["date"] = meta.get("date") or datetime.date.today().isoformat()
+    meta.update(rounds=args.rounds, calls=args.calls, backends=args.backends)
     rows, profiles = run(args)
     path = result_path(out, "host-overhead", meta)
     path.write_text(json.dumps({**meta, "rows": rows, "notes": __doc__}, indent=1) + "\n")
