@@ -272,7 +272,8 @@ def test_a_cuda_table_is_checked_without_stopping_the_call():
 
 
 def test_gpu_page_check_script_small(tmp_path):
-    """benchmarks/gpu_page_check.py --tiny on CPU: the behaviour pass and every mode timed."""
+    """benchmarks/gpu_page_check.py --tiny on CPU: the behaviour pass and every mode timed, steps
+    of attention alone and with a model layer's other work."""
     path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_page_check.py"
     spec = importlib.util.spec_from_file_location("gpu_page_check", path)
     script = importlib.util.module_from_spec(spec)
@@ -281,6 +282,7 @@ def test_gpu_page_check_script_small(tmp_path):
     (out,) = tmp_path.glob("*-page-check-cpu.json")
     data = json.loads(out.read_text())
     assert data["behaviour"]["ok"] and "block_table[1, 0]" in data["behaviour"]["sync_raised"]
-    assert data["env"]["torch"] and "transformers" in data["env"] and len(data["rows"]) == 2
+    assert data["env"]["torch"] and "transformers" in data["env"] and len(data["rows"]) == 3
+    assert [row["model"] for row in data["rows"]] == [False, False, True]  # attention alone; a model step
     for row in data["rows"]:
         assert all(row[f"step_ms_{m}"] > 0 for m in ("off", "deferred", "sync")) and row["defer_host_ms"] > 0
