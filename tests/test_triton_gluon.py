@@ -280,8 +280,9 @@ def test_launch_binds_every_kernel_argument(d, paged, grouped, monkeypatch):
     out = q.clone()
     for persistent in (False, True):
         launch = module.launch.func(
-            Recorder(), *module.launch.args[1:], q, k, v, p, sched, out, False, False, cfg.num_stages,
-            paged=paged, page_size=page, bt_stride=4 if paged else 0, groups=groups, persistent=persistent,
+            Recorder(), *module.launch.args[1:], q, k, v, p, sched, out.stride(), False, False,
+            cfg.num_stages, paged=paged, page_size=page, bt_stride=4 if paged else 0, groups=groups,
+            persistent=persistent,
         )  # fmt: skip
         launch(q, k, v, out, None, 0.1, 1.0, table)
     (grid, args, kwargs), (grid_persistent, args_persistent, _) = calls

@@ -333,7 +333,7 @@ def _route(q, k, v, plan, softcap, return_lse, out, config, lpt, block_table, pa
         if gluon_pages or (not paged and uses_gluon(q, k, v, plan, gcfg)):
             sched = tile_schedule(plan, gcfg.block_m, gcfg.block_n, lpt)
             launch = _gluon_module(GLUON_KERNELS[(d, gcfg.block_m)]).launch(
-                q, k, v, plan, sched, out if out is not None else new_out(None)[0], return_lse,
+                q, k, v, plan, sched, out.stride() if out is not None else (hq * d, d), return_lse,
                 bool(softcap), gcfg.num_stages, paged=gluon_pages, page_size=page_size or 0,
                 bt_stride=block_table.stride(0) if gluon_pages else 0,
                 groups=gluon_group_args(plan, sched), persistent=gcfg.persistent,

@@ -88,14 +88,14 @@ class GluonLaunch:
     group_walk.py; None without.
 
     Made once per call shape (the tensors given here stand for every later call's: same shapes,
-    strides, dtypes, 16-byte alignment; ``out`` as the calls will pass it); each call then
+    strides, dtypes, 16-byte alignment; ``out_strides``: their outputs'); each call then
     rebases the descriptors and launches (direct_launch.py).
 
-    >>> launch = kernel_gluon.launch(q, k, v, plan, sched, out, True, False, 2)  # doctest: +SKIP
+    >>> launch = kernel_gluon.launch(q, k, v, plan, sched, out.stride(), True, False, 2)  # doctest: +SKIP
     >>> launch(q, k, v, out, lse, qk_scale, 1.0)  # doctest: +SKIP
     """
 
-    def __init__(self, kernel, tile_rows: int, q_rows: int, pieces: int, q, k, v, plan, sched, out,
+    def __init__(self, kernel, tile_rows: int, q_rows: int, pieces: int, q, k, v, plan, sched, out_strides,
                  return_lse: bool, softcap: bool, stages: int, paged: bool = False, page_size: int = 0,
                  bt_stride: int = 0, groups: tuple | None = None, persistent: bool = True):  # fmt: skip
         from .direct_launch import DirectLaunch
@@ -109,7 +109,7 @@ class GluonLaunch:
         items = sched.num_tiles * hq
         programs = min(items, sm_count(q.device)) if persistent else items
         # Every argument but the call's tensors and scales, in the kernel's order around them.
-        self.plan_args = (plan.lo, plan.hi, sched.info, out.stride(0), out.stride(1))
+        self.plan_args = (plan.lo, plan.hi, sched.info, *out_strides[:2])
         self.heads_at = heads_at
         self.group_args = (*(groups or (plan.lo,) * 4), items)
         self.seq_lens = plan.seq_lens
