@@ -98,13 +98,21 @@ def aligned_layout(plan: Plan, block_m: int, block_n: int) -> AlignedLayout:
     return plan.cached(("aligned_layout", block_m, block_n), build)
 
 
-def scatter_rows(x: torch.Tensor, side: Rows) -> torch.Tensor:
+def scatter_rows(x: torch.Tensor, side: Rows, plan: Plan | None = None, name: str = "") -> torch.Tensor:
     """``x``'s rows at their aligned rows, zeros in the gaps (``x`` itself where nothing moves).
-    One pass over ``x``: the gaps are written apart, not a zero fill of the whole buffer."""
+    Without ``plan``, a new tensor: one pass over ``x``, the gaps written apart. With it, a buffer
+    kept on the plan under ``name`` ("q", "k", "v"), zeroed once (every call writes the same rows,
+    so the gaps stay zero): one op per call where a new tensor costs three, on every layer of the
+    step. Like the triton backend's page copies, it assumes a plan's calls run in one stream's
+    order (the next call's copy lands after the previous call's kernel read the buffer)."""
     if side.rows is None:
         return x
-    out = x.new_empty(side.num, *x.shape[1:]).index_copy_(0, side.rows, x)
-    return out.index_fill_(0, side.gaps, 0)
+    if plan is None:
+        out = x.new_empty(side.num, *x.shape[1:]).index_copy_(0, side.rows, x)
+        return out.index_fill_(0, side.gaps, 0)
+    key = ("aligned_rows", name, id(side), x.dtype, x.device, tuple(x.shape[1:]))
+    buffer = plan.cached(key, lambda: x.new_zeros(side.num, *x.shape[1:]))
+    return buffer.index_copy_(0, side.rows, x)
 
 
 def aligned_tile_tables(plan: Plan, block_m: int, block_n: int):

@@ -62,3 +62,18 @@ def test_aligned_packing_copies_only_when_a_boundary_falls_inside_a_tile():
     assert lay.q.rows is None and lay.k.rows.tolist() == list(range(250)) + list(range(256, 265))
     x = torch.arange(259.0)[:, None]
     assert torch.equal(scatter_rows(x, lay.k)[250:256], torch.zeros(6, 1))
+
+
+def test_rows_scattered_into_a_plan_buffer_equal_a_new_tensor_every_call():
+    """The fa4 and flex paths scatter into buffers kept on the plan (one op per call): each
+    call's result equals a fresh scatter, the gaps stay zero, the buffer is the same object."""
+    plan = sa.plan(sa.Batch([sa.Seq(q_len=7, kv_len=40), sa.Seq(q_len=3, kv_len=21)]), sa.LayerMask())
+    lay = aligned_layout(plan, 16, 16)
+    kept = []
+    for seed in range(3):
+        x = torch.randn(61, 2, 8, generator=torch.Generator().manual_seed(seed))
+        got = scatter_rows(x, lay.k, plan, "k")
+        assert torch.equal(got, scatter_rows(x, lay.k)) and not got[lay.k.gaps].any()
+        kept.append(got)
+    assert kept[0] is kept[1] is kept[2]
+    assert scatter_rows(x, lay.k, plan, "v") is not kept[0]  # one buffer per name

@@ -305,11 +305,11 @@ def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
     # seen as [S, H, D]) are copied first rather than trusted to its layout handling.
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     call, q_rows, k_rows = _lowering(plan, q, k)
-    k, v = scatter_rows(k, k_rows), scatter_rows(v, k_rows)
+    k, v = scatter_rows(k, k_rows, plan, "k"), scatter_rows(v, k_rows, plan, "v")
     if q_rows is None:
         out, lse = call(q, k, v, scale, softcap or 0.0, return_lse)
     else:
-        q = scatter_rows(q, q_rows)  # padding rows are discarded below
+        q = scatter_rows(q, q_rows, plan, "q")  # padding rows are discarded below
         out, lse = call(q[None], k[None], v[None], scale, softcap or 0.0, return_lse)
         out, lse = out[0], None if lse is None else lse[0]  # lse [1, Hq, rows] -> [Hq, rows]
         if q_rows.rows is not None:

@@ -180,8 +180,8 @@ def aligned_step(step, q, k, v, plan, scale, softcap, return_lse):
     layout = aligned_layout(plan, BLOCK_M, BLOCK_N)
     out, lse = _call(
         step,
-        scatter_rows(q, layout.q),
-        *(scatter_rows(x, layout.k) for x in (k, v)),
+        scatter_rows(q, layout.q, plan, "q"),
+        *(scatter_rows(x, layout.k, plan, name) for x, name in ((k, "k"), (v, "v"))),
         layout.lo, layout.hi, aligned_tile_tables(plan, BLOCK_M, BLOCK_N), scale, softcap, return_lse,
         layout.groups,
     )  # fmt: skip
