@@ -1,13 +1,14 @@
 """Launching a compiled Triton kernel without Triton's per-call lookup. ``kernel[grid](*args)``
 binds and specializes every argument, builds the cache key of the compiled kernel and reads the
-runtime's settings on each call: ~10-20 us of host time per launch, as much as the GPU time of
-a short step. A call site that knows its compiled kernel cannot change between calls (the
-caller's cache key covers every argument property Triton specializes on: dtypes, 16-byte
-alignment, integer values 1 and multiples of 16, the constexprs) keeps a ``DirectLaunch`` under
-that key: its first call goes through Triton (compiling if needed) and keeps the compiled
-kernel, later calls hand the arguments straight to its launcher, as Triton itself would after
-its lookup. Under the interpreter, with a launch hook installed (a profiler), or on a triton
-older than its ``knobs`` (3.4), every call goes through Triton."""
+runtime's settings on each call: host time as long as a short step's GPU time (with the routes
+kept per plan, the triton backend's host time per call went from 0.115-0.169 ms to 0.076-0.134
+on the H200: benchmarks/README.md, Host time). A call site that knows its compiled kernel cannot
+change between calls (the caller's cache key covers every argument property Triton specializes
+on: dtypes, 16-byte alignment, integer values 1 and multiples of 16, the constexprs) keeps a
+``DirectLaunch`` under that key: its first call goes through Triton (compiling if needed) and
+keeps the compiled kernel, later calls hand the arguments straight to its launcher, as Triton
+itself would after its lookup. Under the interpreter, with a launch hook installed (a profiler),
+or on a triton older than its ``knobs`` (3.4), every call goes through Triton."""
 
 from __future__ import annotations
 
