@@ -87,8 +87,7 @@ def _check_pages(k, v, block_table, plan, how: str) -> None:
                 f"max_kv_len={plan.capacity.max_kv_len} needs {need} blocks of {k.shape[1]}"
             )
     check_paged(k, v, block_table, plan, names=("k", "v"))
-    if how != "off" and plan.capacity is None:
-        page_check.check(block_table, plan, k.shape[0], k.shape[1], how)
+    page_check.check(block_table, plan, k.shape[0], k.shape[1], how)
 
 
 @functools.cache
@@ -172,7 +171,7 @@ def run(q, k, v, plan, block_table=None, backend="auto", scale=None, softcap=Non
         mod = _pick(q, plan, backend, opts)
         if key is not None:
             plan.facts[key] = mod
-    elif block_table is not None and how != "off" and plan.capacity is None:
+    elif block_table is not None:
         # The key holds what check_paged reads (shapes, dtypes, devices); the entries change.
         page_check.check(block_table, plan, k.shape[0], k.shape[1], how)
     opts["scale"] = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)

@@ -119,10 +119,13 @@ def _buffer_and_event(numel: int) -> tuple[torch.Tensor, torch.cuda.Event]:
 
 
 def check(block_table, plan: Plan, num_blocks: int, block_size: int, how: str) -> None:
-    """The check of one call (``how`` from :func:`mode`, not ``"off"``): once per plan and table
-    version (inference-mode tensors have no version: once per plan), first raise what a completed
-    earlier check found, then check this table. The layers of a step after its first, passing
-    the same table, pay one compare: this runs on every attention call."""
+    """The check of one call (``how`` from :func:`mode`; none for ``"off"`` or a device plan,
+    whose lengths are on the device): once per plan and table version (inference-mode tensors
+    have no version: once per plan), first raise what a completed earlier check found, then
+    check this table. The layers of a step after its first, passing the same table, pay one
+    compare: this runs on every attention call."""
+    if how == "off" or plan.capacity is not None:
+        return
     version = None if block_table.is_inference() else block_table._version
     last = plan.facts.get("pages_checked_last")  # the table object checked last: one compare
     if last is not None and last[0] is block_table and last[1:] == (version, how, num_blocks):

@@ -302,7 +302,7 @@ def _route(q, k, v, plan, softcap, return_lse, out, config, lpt, block_table, pa
         page_size = k.shape[1]
     elif paged and not page_size:
         raise ValueError("paged K/V needs page_size")
-    total_q, hq, d = q.shape
+    _, hq, d = q.shape
     hkv = k.shape[-2]
     if kernel == "auto" and config is None:
         from . import decode  # the split-KV kernel reads every K/V byte once per KV head
