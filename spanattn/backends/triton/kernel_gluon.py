@@ -9,8 +9,9 @@ slots are released apart: a K slot as soon as its scores are computed, a V slot 
 deferred P @ V, so that two stages keep the next tile's loads ahead of the MMAs. The launch is
 persistent: one program per SM takes work items (query tile x head) in turn (gluon_parts.
 work_item), and the producer loads an item's Q and first K/V tiles while the consumers finish
-the previous item's last P @ V and store its rows: on short walks (a sliding window, a chunk of
-a few thousand keys) those loads and stores weigh as much as several key tiles.
+the previous item's last softmax and P @ V and store its rows: on short walks (a sliding
+window, a chunk of a few thousand keys) those loads and stores weigh as much as several key
+tiles.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
             acc = warpgroup_mma(p, v_smem.index(before % STAGES), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
             mbarrier.arrive(k_empty.index(slot))
+            # The item's last Q @ K^T is done: the next item's Q may load under this softmax.
+            mbarrier.arrive(q_empty, pred=t == num_tiles - 1)
 
             p_f, alpha_s, m_i, l_i = softmax_step(
                 s, m_i, l_i, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
@@ -101,7 +104,6 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
             # The previous tile's values are read: hand its slot back to the producer.
             mbarrier.arrive(v_empty.index(before % STAGES), pred=t > 0)
-        mbarrier.arrive(q_empty, pred=live)  # every Q @ K^T of the item is done: the next Q may load
 
         last = gl.maximum(c + num_tiles - 1, 0)
         acc = last_pv(acc, alpha, p, v_smem.index(last % STAGES), v_ready, last, STAGES, live)
