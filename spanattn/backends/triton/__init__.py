@@ -16,10 +16,10 @@ import torch
 
 from .columns import INFO
 from .configs import Config, padded_head_dim, pick, pick_gluon
+from .scales import kernel_scales
 from .schedule_triton import tile_schedule
 from .tma_layout import rebased, tma_form, token_major
 
-LOG2E = 1.4426950408889634
 # SPANATTN_TRITON_GLUON=0 keeps every step on kernel.py (a check against the Gluon kernels, or a
 # way around them on a toolchain where they misbehave); =1 runs them on any triton without their
 # self-check (gluon_check.py), =check self-checks them on any triton. Read per call.
@@ -344,7 +344,7 @@ def _route(q, k, v, plan, softcap, return_lse, out, config, lpt, block_table, pa
                 if copy:
                     k, v = _copy_pages(plan_ref(), k, v, bt, page_size)
                 out, lse = new_out(out)
-                launch(q, k, v, out, lse, *_scales(scale, softcap), bt)
+                launch(q, k, v, out, lse, *kernel_scales(scale, softcap), bt)
                 return out, lse
 
             return run_gluon
@@ -377,7 +377,8 @@ def _route(q, k, v, plan, softcap, return_lse, out, config, lpt, block_table, pa
             q, k, v, kd, vd, out, lse if lse is not None else out, *plan_tensors[:3],
             bt if paged else plan_tensors[3], *group_tensors,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), bt.stride(0) if paged else 0, last_page, *_scales(scale, softcap),
+            out.stride(0), out.stride(1), bt.stride(0) if paged else 0, last_page,
+            *kernel_scales(scale, softcap),
         )  # fmt: skip
         return out, lse
 
@@ -397,14 +398,6 @@ def _outputs(q, return_lse: bool):
         return out, lse
 
     return new
-
-
-def _scales(scale: float, softcap) -> tuple[float, float]:
-    """The kernels' ``(qk_scale, softcap_log2)``: scores in log2 units, divided by the softcap
-    before its tanh when there is one."""
-    if softcap:
-        return scale / softcap, softcap * LOG2E
-    return scale * LOG2E, 1.0
 
 
 def _int32_rows(block_table):

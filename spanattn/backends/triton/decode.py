@@ -24,8 +24,8 @@ import triton.language as tl
 
 from .configs import next_pow2
 from .mask import tile_mask
+from .scales import kernel_scales
 
-LOG2E = 1.4426950408889634
 # The interpreter cannot take loaded scalars as range() bounds under numpy >= 2.4 (int() of a
 # 1-element array); it walks the same tiles with a while loop, which triton would not pipeline.
 INTERPRETED = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else False
@@ -350,15 +350,11 @@ class DecodeLaunch:
             lse_part = torch.empty(self.part_shape[:3], dtype=torch.float32, device=q.device)
         else:
             o_part = lse_part = out  # unused
-        if softcap:
-            qk_scale, softcap_log2 = scale / softcap, softcap * LOG2E
-        else:
-            qk_scale, softcap_log2 = scale * LOG2E, 0.0
         bt, bt_stride = (block_table, block_table.stride(0)) if self.paged else (self.seq_lens, 0)
         self.decode(
             q, k, v, out, lse if lse is not None else out, o_part, lse_part, *self.plan_tensors, bt,
-            *self.strides, out.stride(0), out.stride(1), bt_stride, *self.split_args, qk_scale,
-            softcap_log2, *self.group_tensors,
+            *self.strides, out.stride(0), out.stride(1), bt_stride, *self.split_args,
+            *kernel_scales(scale, softcap), *self.group_tensors,
         )  # fmt: skip
         if self.splits > 1:
             self.merge(
