@@ -33,8 +33,10 @@ from .gluon_parts import (
     key_tile_group,
     last_pv,
     produce,
+    q_operand,
     ring_barriers,
     rounds,
+    scores,
     softmax_step,
     store_rows,
     tile_walk,
@@ -58,6 +60,9 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
     items (the ring's slot and phase), ``i`` its items (Q's phase)."""
     dtype: gl.constexpr = q_smem.dtype
     q = q_smem.index(PART)
+    # Half of Q in registers at d256 (gluon_parts.q_operand); paged and span-group variants,
+    # short of registers already, spill 4-8x more with it and keep Q in shared memory.
+    Q_SPLIT: gl.constexpr = (HEAD_DIM == 256) & (PAGE == 0) & (not GROUPS)
     c = 0
     i = 0
     for r in range(rounds(num_items)):
@@ -74,6 +79,7 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
         # such an item runs the same code with its barrier steps predicated off.
         live = num_tiles > 0
         mbarrier.wait(q_bar, i & 1, pred=live)
+        q_a = q_operand(q, s_zero, Q_SPLIT)
         for t in range(num_tiles):
             slot = (c + t) % STAGES
             before = c + gl.maximum(t - 1, 0)
@@ -83,8 +89,7 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
             # Rescaled before any MMA is in flight: ptxas would wait for them before reading acc.
             acc = acc * gl.expand_dims(alpha, 1)
             mbarrier.wait(k_ready.index(slot), ((c + t) // STAGES) & 1)
-            s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)  # fmt: skip
+            s = scores(q, q_a, k_smem.index(slot), s_zero, Q_SPLIT)
             # The previous tile's P @ V (at an item's first tile p = 0 against its own values).
             mbarrier.wait(v_ready.index(before % STAGES), (before // STAGES) & 1)
             acc = warpgroup_mma(p, v_smem.index(before % STAGES), acc, is_async=True)
