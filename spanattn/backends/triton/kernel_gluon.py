@@ -11,7 +11,8 @@ persistent: one program per SM takes work items (query tile x head) in turn (glu
 work_item), and the producer loads an item's Q and first K/V tiles while the consumers finish
 the previous item's last softmax and P @ V and store its rows: on short walks (a sliding
 window, a chunk of a few thousand keys) those loads and stores weigh as much as several key
-tiles.
+tiles. At d256 half of Q's columns stay in registers (gluon_parts.q_operand): shared memory's
+bandwidth, not the tensor cores, bounds that head_dim's 64-key tiles.
 """
 
 from __future__ import annotations
