@@ -93,6 +93,8 @@ def gluon_stats(cfg: Config, d: int, page: int = 0, groups: str = "") -> dict:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    from spanattn.backends.triton import gluon_parts as parts
+
     module = importlib.import_module("spanattn.backends.triton." + GLUON_KERNELS[(d, cfg.block_m)])
     kernel = next(v for k, v in vars(module).items() if k.startswith("attn_fwd_gluon"))
     width = d // 2 if "split" in module.__name__ else d  # boxes of half the head_dim
@@ -115,7 +117,8 @@ def gluon_stats(cfg: Config, d: int, page: int = 0, groups: str = "") -> dict:
     const = {
         "HQ": 16, "GROUP": 2, "HEAD_DIM": d, "BLOCK_N": cfg.block_n, "STAGES": cfg.num_stages,
         "SOFTCAP": False, "RETURN_LSE": False, "N_INFO": len(INFO), "PAGE": page,
-        "GROUPS": bool(groups), "CLAMP": groups == "clamp", "CONSUMER_REGS": 240, "PRODUCER_REGS": 24,
+        "GROUPS": bool(groups), "CLAMP": groups == "clamp", "CONSUMER_REGS": parts.CONSUMER_REGS,
+        "PRODUCER_REGS": parts.PRODUCER_REGS,
     }  # fmt: skip
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=const)
     return _report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}))

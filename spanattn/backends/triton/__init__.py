@@ -329,6 +329,15 @@ def _route(q, k, v, plan, softcap, return_lse, out, config, lpt, block_table, pa
     paged = paged and not copy
     plan_ref = weakref.ref(plan)  # kept on the plan: the plan itself would make a reference cycle
     new_out = _outputs(q, return_lse)
+
+    def inputs(k, v, bt, out):
+        """This call's K/V (pages copied out where this route copies them), its int32 block
+        table, output and LSE."""
+        k, v, bt = flat(k), flat(v), _int32_rows(bt)
+        if copy:
+            k, v = _copy_pages(plan_ref(), k, v, bt, page_size)
+        return (k, v, bt, *new_out(out))
+
     if gcfg is not None:
         if gluon_pages or (not paged and uses_gluon(q, k, v, plan, gcfg)):
             sched = tile_schedule(plan, gcfg.block_m, gcfg.block_n, lpt)
@@ -340,10 +349,7 @@ def _route(q, k, v, plan, softcap, return_lse, out, config, lpt, block_table, pa
             )  # fmt: skip
 
             def run_gluon(q, k, v, out, bt, scale, softcap):
-                k, v, bt = flat(k), flat(v), _int32_rows(bt)
-                if copy:
-                    k, v = _copy_pages(plan_ref(), k, v, bt, page_size)
-                out, lse = new_out(out)
+                k, v, bt, out, lse = inputs(k, v, bt, out)
                 launch(q, k, v, out, lse, *kernel_scales(scale, softcap), bt)
                 return out, lse
 
@@ -368,10 +374,7 @@ def _route(q, k, v, plan, softcap, return_lse, out, config, lpt, block_table, pa
     last_page = k.shape[0] // page_size - 1 if paged else 0
 
     def run_kernel(q, k, v, out, bt, scale, softcap):
-        k, v, bt = flat(k), flat(v), _int32_rows(bt)
-        if copy:
-            k, v = _copy_pages(plan_ref(), k, v, bt, page_size)
-        out, lse = new_out(out)
+        k, v, bt, out, lse = inputs(k, v, bt, out)
         kd, vd = (rebased(descs[0], k), rebased(descs[1], v)) if tma else (k, v)
         launch(
             q, k, v, kd, vd, out, lse if lse is not None else out, *plan_tensors[:3],

@@ -44,6 +44,9 @@ from .tma_layout import rebased, tma_matrix
 # first-use self-check (gluon_check.py).
 CHECKED_TRITON = ("3.6.",)
 
+# Registers a thread of the consumer warpgroups / of the producer warp holds (setmaxnreg).
+CONSUMER_REGS, PRODUCER_REGS = 240, 24
+
 # TMA's global-to-shared copy: ``async_copy_global_to_shared`` in triton 3.6, ``async_load`` later.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # A barrier over the calling partition's warps: ``thread_barrier`` in triton 3.6, ``barrier`` later.
@@ -117,7 +120,7 @@ class GluonLaunch:
             HQ=hq, GROUP=hq // k.shape[1], HEAD_DIM=d, BLOCK_N=sched.block_n, STAGES=stages,
             SOFTCAP=softcap, RETURN_LSE=return_lse, N_INFO=len(INFO), PAGE=page_size if paged else 0,
             GROUPS=groups is not None, CLAMP=groups is not None and plan.groups.clamp,
-            CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4,
+            CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
         ))  # fmt: skip
 
     def __call__(self, q, k, v, out, lse, qk_scale: float, softcap_log2: float, block_table=None) -> None:
