@@ -1,0 +1,38 @@
+"""benchmarks/ab_trees.py's CPU-checkable parts: the per-case summary over rounds, and its
+refusal of a run it cannot do (the timing itself needs CUDA)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("ab_trees", ROOT / "benchmarks" / "ab_trees.py")
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_summary_medians_over_rounds_and_ratios_to_the_first_tree():
+    rounds = [
+        {"old": {"S3-256": 0.60, "S0-256": 14.0}, "new": {"S3-256": 0.58, "S0-256": 13.0}},
+        {"old": {"S3-256": 0.64, "S0-256": 14.2}, "new": {"S3-256": 0.57, "S0-256": 13.4}},
+        {"old": {"S3-256": 0.62, "S0-256": 13.8}, "new": {"S3-256": 0.59, "S0-256": 13.2}},
+    ]
+    got = _script().summary(rounds, ["old", "new"], ["S3-256", "S0-256"])
+    assert got["S3-256"]["ms"] == {"old": 0.62, "new": 0.58}
+    assert got["S0-256"]["ms"] == {"old": 14.0, "new": 13.2}
+    assert got["S0-256"]["vs_first"] == {"old": 1.0, "new": 13.2 / 14.0}
+
+
+def test_needs_two_trees(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "argv", ["ab_trees.py", "--out", str(tmp_path), "--trees", "only=."])
+    with pytest.raises(SystemExit):
+        _script().main()
