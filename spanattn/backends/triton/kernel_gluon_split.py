@@ -29,8 +29,10 @@ from .gluon_parts import (
     last_pv,
     partition_barrier,
     produce,
+    q_operand,
     ring_barriers,
     rounds,
+    scores,
     softmax_step,
     store_rows,
     tile_walk,
@@ -53,6 +55,7 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
     ``i`` its items (Q's phase)."""
     dtype: gl.constexpr = q_smem.dtype
     q = q_smem.index(PART)
+    Q_SPLIT: gl.constexpr = (PAGE == 0) & (not GROUPS)  # as in kernel_gluon._consume
     mine = x_smem.index(PART)
     theirs = x_smem.index(1 - PART)
     c = 0
@@ -67,6 +70,7 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
         )
         live = num_tiles > 0  # predicated, not branched on: see kernel_gluon._consume
         mbarrier.wait(q_bar, i & 1, pred=live)
+        q_a = q_operand(q, s_zero, Q_SPLIT)
         for t in range(num_tiles):
             slot = (c + t) % STAGES
             before = c + gl.maximum(t - 1, 0)
@@ -76,9 +80,7 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
             outside = (t < n_pre) | (t >= n_pre + n_main)
             acc = acc * gl.expand_dims(alpha, 1)
             mbarrier.wait(k_ready.index(slot), ((c + t) // STAGES) & 1)
-            s = warpgroup_mma(
-                q, k_smem.index(2 * slot + PART).permute((1, 0)), s_zero, use_acc=False, is_async=True
-            )
+            s = scores(q, q_a, k_smem.index(2 * slot + PART), s_zero, Q_SPLIT)
             mbarrier.wait(v_ready.index(prev), (before // STAGES) & 1)
             acc = warpgroup_mma(p, v_smem.index(2 * prev + PART), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
