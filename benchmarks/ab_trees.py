@@ -8,8 +8,9 @@ the machine falls on all of them alike.
         --cases S0-256,S1-128,S3-256 --rounds 3
 
 A tree is a folder holding a ``spanattn`` package. Per tree, round and case: the triton
-backend's forward on the scenario at full size (bf16, Hq 16 / Hkv 8, random inputs), the least
-of three ``triton.testing.do_bench`` medians of 100 ms each. CUDA only: it times kernels, not
+backend's forward on the scenario (S0-S5, or the span-group steps V1/V2) at full size (bf16, Hq
+16 / Hkv 8, random inputs), the least of three ``triton.testing.do_bench`` medians of 100 ms
+each. CUDA only: it times kernels, not
 correctness (the tree's tests and short_walks.py check that). Writes
 ``<date>-ab-trees-<gpu>.json``: every round's times, per case the median over rounds and each
 tree's time over the first tree's.
@@ -33,12 +34,12 @@ def time_cases(cases: list[str]) -> dict:
 
     import spanattn as sa
     from spanattn.backends import triton as tb
-    from spanattn.scenarios import HKV, HQ, scenarios
+    from spanattn.scenarios import HKV, HQ, scenarios, video_scenarios
 
     def call(case: str):
         sid, d = case.split("-")
         d = int(d)
-        sc = scenarios()[sid]
+        sc = {**scenarios(), **video_scenarios()}[sid]
         p = sa.plan(sc.batch, sc.layer, "cuda")
         shapes = ((p.total_q, HQ), (p.total_k, HKV), (p.total_k, HKV))
         q, k, v = (torch.randn(n, h, d, device="cuda", dtype=torch.bfloat16) for n, h in shapes)
