@@ -437,14 +437,16 @@ def scores(q, q_a, k_tile, s_zero, SPLIT: gl.constexpr):
 
 
 @gluon.jit
-def softmax_step(s, m_i, l_i, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
+def softmax_step(s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
                  softcap_log2, outside, gsel, KG, ktg, kv_len, BLOCK_N: gl.constexpr,
                  SOFTCAP: gl.constexpr, GROUPS: gl.constexpr, CLAMP: gl.constexpr):  # fmt: skip
     """One tile's online-softmax step on raw scores ``s`` of keys ``n ...`` in the log2 domain (as
-    kernel._softmax): ``p`` (fp32, unnormalized), the factor that rescales what was accumulated
-    before, the new row max and row sum. Only tiles outside ``[full_start, full_end)`` are masked;
-    the last tile, read shifted back to ``tma_last``, is masked by its true key indices. With
-    span groups see ``group_mask`` (``outside``: the tile is not in the interval walk)."""
+    kernel._softmax): ``p`` (unnormalized, as the A operand of P @ V: the type and layout of the
+    previous ``p``), the factor that rescales what was accumulated before (in ``alpha``'s
+    layout, the output's rows), the new row max and row sum. Only tiles outside ``[full_start,
+    full_end)`` are masked; the last tile, read shifted back to ``tma_last``, is masked by its
+    true key indices. With span groups see ``group_mask`` (``outside``: the tile is not in the
+    interval walk)."""
     if SOFTCAP:  # c * tanh(score * scale / c), in log2 units (see kernel._softmax)
         s = (1.0 - 2.0 / (gl.exp2(s * (qk_scale * 2.8853900817779268)) + 1.0)) * softcap_log2
         s_scale = 1.0
@@ -460,10 +462,11 @@ def softmax_step(s, m_i, l_i, n, lo, hi, offs_n, full_start, full_end, tma_last,
     m_new = gl.maximum(m_i, gl.max(s, 1) * s_scale)
     # A row may have no allowed key in this tile and none seen yet.
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s * s_scale - gl.expand_dims(m_use, 1))
-    alpha = gl.exp2(m_i - m_use)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return p, alpha, m_new, l_i
+    p_f = gl.exp2(s * s_scale - gl.expand_dims(m_use, 1))
+    alpha_s = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha_s + gl.sum(p_f, 1)
+    p = gl.convert_layout(p_f.to(p.dtype), p.type.layout)
+    return p, gl.convert_layout(alpha_s, alpha.type.layout), m_new, l_i
 
 
 @gluon.jit

@@ -99,13 +99,11 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
             partition_barrier()
             mbarrier.arrive(x_free.index(1 - PART))
 
-            p_f, alpha_s, m_i, l_i = softmax_step(
-                s, m_i, l_i, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
+            p, alpha, m_i, l_i = softmax_step(
+                s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
                 softcap_log2, outside, gsel, KG + tma_row0, ktg, kv_len, BLOCK_N, SOFTCAP, GROUPS,
                 CLAMP,
             )  # fmt: skip
-            alpha = gl.convert_layout(alpha_s, alpha.type.layout)
-            p = gl.convert_layout(p_f.to(dtype), p.type.layout)
 
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
             mbarrier.arrive(v_empty.index(prev), pred=t > 0)
