@@ -3,21 +3,14 @@ refusal of a run it cannot do (the timing itself needs CUDA)."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 import sys
 
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from bench_scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("ab_trees", ROOT / "benchmarks" / "ab_trees.py")
-    script = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = script
-    spec.loader.exec_module(script)
-    return script
+    return load_script("ab_trees")
 
 
 def test_summary_medians_over_rounds_and_ratios_to_the_first_tree():

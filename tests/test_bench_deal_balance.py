@@ -3,24 +3,17 @@ items, the items' costs on a step small enough to count by hand, and a run writi
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 import sys
 
 import pytest
 import torch
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from bench_scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("deal_balance", ROOT / "benchmarks" / "deal_balance.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("deal_balance")
 
 
 def test_the_deal_turns_back_every_other_round(script):

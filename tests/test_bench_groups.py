@@ -3,22 +3,15 @@ span groups checked against fp64 before timing, the summary's ratios, JSON and P
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from bench_scripts import load_script
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 def test_gpu_groups_small(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("gpu_groups", ROOT / "benchmarks" / "gpu_groups.py")
-    script = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = script
-    spec.loader.exec_module(script)
+    script = load_script("gpu_groups")
     argv = [
         "--out",
         str(tmp_path),
@@ -47,9 +40,7 @@ def test_gpu_groups_small(tmp_path, capsys):
 def test_group_planning_small(tmp_path):
     """benchmarks/group_planning.py on CPU at 1/32 size: every piece timed, the launches held
     equal to their definitions, the JSON written."""
-    spec = importlib.util.spec_from_file_location("group_planning", ROOT / "benchmarks" / "group_planning.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("group_planning")
     assert script.main(["--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("*-group-planning-cpu.json")
     rows = {r["scenario"]: r for r in json.loads(path.read_text())["rows"]}

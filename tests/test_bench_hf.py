@@ -3,28 +3,17 @@ on CPU: every timed row checked against transformers' own attention, JSON (and P
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import pytest
+from bench_scripts import load_script
 
 pytest.importorskip("transformers")
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def load_script(name: str = "hf_families"):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
 def test_hf_families_tiny(tmp_path, capsys):
-    script = load_script()
+    script = load_script("hf_families")
     argv = ["--tiny", "--out", str(tmp_path), "--families", "gemma3,paligemma,pi0", "--sizes", "128"]
     assert script.main(argv + ["--warmup", "0", "--repeats", "1"]) == 0
     assert "[3/3] PI0" in capsys.readouterr().out
