@@ -64,6 +64,17 @@ def signature() -> dict[str, str]:
     return sig
 
 
+def divisible(sig: dict[str, str]) -> dict:
+    """The specialization a real launch gets: every pointer and integer but the
+    ``do_not_specialize`` scalars a multiple of 16 (16-byte aligned tensors, strides of head_dims
+    and head counts), which lets the compiler vectorize loads and stores."""
+    runtime = [
+        i for i, (name, t) in enumerate(sig.items())
+        if t not in ("constexpr", "fp32") and "desc" not in t and name not in SCALAR_INT
+    ]  # fmt: skip
+    return {(i,): [["tt.divisibility", 16]] for i in runtime}
+
+
 def stats(cfg: Config, d: int, paged: int = 0, groups: str = "") -> dict:
     """``groups``: "" (no span groups), "on" or "clamp" (kernel.py's GROUPS and CLAMP)."""
     sig = signature()
@@ -77,12 +88,7 @@ def stats(cfg: Config, d: int, paged: int = 0, groups: str = "") -> dict:
         "DV_SPLIT": cfg.dv_split, "TMA": cfg.tma and not paged, "N_INFO": len(INFO),
         "GROUPS": bool(groups), "CLAMP": groups == "clamp",
     }  # fmt: skip
-    runtime = [
-        i for i, (name, t) in enumerate(sig.items())
-        if t not in ("constexpr", "fp32") and "desc" not in t and name not in SCALAR_INT
-    ]  # fmt: skip
-    attrs = {(i,): [["tt.divisibility", 16]] for i in runtime}
-    src = ASTSource(fn=tk.attn_fwd, signature=sig, constexprs=const, attrs=attrs)
+    src = ASTSource(fn=tk.attn_fwd, signature=sig, constexprs=const, attrs=divisible(sig))
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return _report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts))
 
@@ -120,7 +126,7 @@ def gluon_stats(cfg: Config, d: int, page: int = 0, groups: str = "") -> dict:
         "GROUPS": bool(groups), "CLAMP": groups == "clamp", "CONSUMER_REGS": parts.CONSUMER_REGS,
         "PRODUCER_REGS": parts.PRODUCER_REGS,
     }  # fmt: skip
-    src = GluonASTSource(fn=kernel, signature=sig, constexprs=const)
+    src = GluonASTSource(fn=kernel, signature=sig, constexprs=const, attrs=divisible(sig))
     return _report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}))
 
 
