@@ -12,8 +12,8 @@ work_item), and the producer loads an item's Q and first K/V tiles while the con
 the previous item's last softmax and P @ V and store its rows: on short walks (a sliding
 window, a chunk of a few thousand keys) those loads and stores weigh as much as several key
 tiles; an item's first tile runs Q @ K^T and its softmax alone (no P @ V before it). At d256
-half of Q's columns stay in registers (gluon_parts.q_operand): shared memory's
-bandwidth, not the tensor cores, bounds that head_dim's 64-key tiles.
+half of Q's columns stay in registers (gluon_parts.q_operand): 1/8 less shared-memory traffic,
+which had bound that head_dim's 64-key tiles.
 """
 
 from __future__ import annotations
