@@ -3,12 +3,11 @@ of a bad table inside the cache. CPU tables have no CUDA events: the deferred pa
 through ``page_check.defer`` on them (a record without an event counts as completed), or with a
 stand-in event whose completion the test decides."""
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 import torch
+from bench_scripts import load_script
 
 import spanattn as sa
 from spanattn import page_check
@@ -274,10 +273,7 @@ def test_a_cuda_table_is_checked_without_stopping_the_call():
 def test_gpu_page_check_script_small(tmp_path):
     """benchmarks/gpu_page_check.py --tiny on CPU: the behaviour pass and every mode timed, steps
     of attention alone and with a model layer's other work."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_page_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_page_check", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("gpu_page_check")
     assert script.main(["--out", str(tmp_path), "--tiny"]) == 0
     (out,) = tmp_path.glob("*-page-check-cpu.json")
     data = json.loads(out.read_text())
