@@ -413,7 +413,8 @@ def q_operand(q, s_zero, SPLIT: gl.constexpr):
     ``q`` in shared memory. Why: at head_dim 256 a 64-key tile puts about as many bytes through
     shared memory (both consumers' Q, K and V reads, TMA's K and V writes: 256 KB) as its MMAs
     take cycles at full rate at 128 B a cycle, and an operand in registers is not read from
-    there: half of Q takes 1/8 off (S0 d256 5% faster on the H200) for 32 registers a thread."""
+    there: half of Q takes 1/8 off (S0 d256 5% faster on the H200) for 32 registers a thread;
+    at d512 (kernel_gluon_split, half of head_dim per consumer) the same split made S5 4% faster."""
     a = q
     if SPLIT:
         layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_zero.type.layout, k_width=2)
