@@ -9,9 +9,9 @@ the machine falls on all of them alike.
 
 A tree is a folder holding a ``spanattn`` package. Per tree, round and case: the triton
 backend's forward on the scenario (S0-S5, or the span-group steps V1/V2) at full size (bf16, Hq
-16 / Hkv 8, random inputs), the least of three ``triton.testing.do_bench`` medians of 100 ms
-each. CUDA only: it times kernels, not
-correctness (the tree's tests and short_walks.py check that). Writes
+16 / Hkv 8, random inputs; a case ending in ``-p16``: K/V in a cache of 16-token pages), the
+least of three ``triton.testing.do_bench`` medians of 100 ms each. CUDA only: it times kernels,
+not correctness (the tree's tests and short_walks.py check that). Writes
 ``<date>-ab-trees-<gpu>.json``: every round's times, per case the median over rounds and each
 tree's time over the first tree's.
 """
@@ -21,10 +21,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+
+def parse_case(case: str) -> tuple[str, int, int]:
+    """``S3-256`` -> ("S3", 256, 0): scenario, head_dim, page size (0: packed K/V);
+    ``S1-128-p16`` -> ("S1", 128, 16): K/V in a cache of 16-token pages."""
+    from spanattn.scenarios import scenarios, video_scenarios
+
+    m = re.fullmatch(r"(\w+)-(\d+)(?:-p(\d+))?", case)
+    if not m or m[1] not in {**scenarios(), **video_scenarios()}:
+        raise ValueError(f"--cases: {case!r} is not SCENARIO-HEAD_DIM[-pPAGE] (e.g. S3-256, S1-128-p16)")
+    return m[1], int(m[2]), int(m[3] or 0)
 
 
 def time_cases(cases: list[str]) -> dict:
@@ -37,12 +49,16 @@ def time_cases(cases: list[str]) -> dict:
     from spanattn.scenarios import HKV, HQ, scenarios, video_scenarios
 
     def call(case: str):
-        sid, d = case.split("-")
-        d = int(d)
+        sid, d, page = parse_case(case)
         sc = {**scenarios(), **video_scenarios()}[sid]
         p = sa.plan(sc.batch, sc.layer, "cuda")
         shapes = ((p.total_q, HQ), (p.total_k, HKV), (p.total_k, HKV))
         q, k, v = (torch.randn(n, h, d, device="cuda", dtype=torch.bfloat16) for n, h in shapes)
+        if page:
+            from gpu_paged_prefill import paged_copy  # this script's folder
+
+            kc, vc, table = paged_copy(k, v, p, page, torch.Generator().manual_seed(0))
+            return lambda: sa.attention(q, kc, vc, p, block_table=table, backend="triton", scale=d**-0.5)
         return lambda: tb.forward(q, k, v, p, scale=d**-0.5)
 
     out = {}
@@ -84,6 +100,11 @@ def main():
         return
     if not args.out or len(args.trees) < 2:
         ap.error("--out and at least two --trees are needed")
+    cases = args.cases.split(",")
+    try:
+        [parse_case(c) for c in cases]
+    except ValueError as e:
+        ap.error(str(e))
     import torch
 
     if not torch.cuda.is_available():
@@ -91,7 +112,6 @@ def main():
     from spanattn.bench.report import environment, result_path
 
     trees = dict(t.split("=", 1) for t in args.trees)
-    cases = args.cases.split(",")
     rounds = []
     for r in range(args.rounds):
         rounds.append({name: run_tree(path, cases) for name, path in trees.items()})
