@@ -29,10 +29,6 @@ def test_the_generator_covers_what_it_promises():
     assert sum(p.groups is not None for p in grouped) > 10  # span groups with two spans or more
     assert {c.layer.spans for c in cases} == {"on", "clamp", "off"}
     assert {c.page_size for c in cases} == {None, 16, 64}
-    assert any(c.layer.window == 1 for c in cases) or any(
-        c.layer.window and c.layer.window < 8 for c in cases
-    )
-    assert all(max(s.q_len for s in c.batch.seqs) <= 16 for c in cases[:0]) or any(
-        max(s.q_len for s in c.batch.seqs) <= 16 for c in cases
-    )  # decode-shaped steps occur
+    assert any(c.layer.window == 1 for c in cases)  # windows down to a single key
+    assert any(max(s.q_len for s in c.batch.seqs) <= 16 for c in cases)  # decode-shaped steps occur
     assert {c.model[3] for c in cases} == {torch.float32, torch.float16}
