@@ -9,9 +9,10 @@ the machine falls on all of them alike.
 
 A tree is a folder holding a ``spanattn`` package. Per tree, round and case: the triton
 backend's forward on the scenario (S0-S5, or the span-group steps V1/V2) at full size (bf16, Hq
-16 / Hkv 8, random inputs; a case ending in ``-p16``: K/V in a cache of 16-token pages), the
-least of three ``triton.testing.do_bench`` medians of 100 ms each. CUDA only: it times kernels,
-not correctness (the tree's tests and short_walks.py check that). Writes
+16 / Hkv 8, random inputs; a case ending in ``-p16``: K/V scattered over a cache of 16-token
+pages, called through ``spanattn.attention`` as a serving step would, its block-table check
+included), the least of three ``triton.testing.do_bench`` medians of 100 ms each. CUDA only: it
+times kernels, not correctness (the tree's tests and short_walks.py check that). Writes
 ``<date>-ab-trees-<gpu>.json``: every round's times, per case the median over rounds and each
 tree's time over the first tree's.
 """
