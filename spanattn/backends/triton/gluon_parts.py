@@ -230,6 +230,16 @@ def key_tile_group(KT, n, kv_len, BLOCK_N: gl.constexpr, GROUPS: gl.constexpr):
 
 
 @gluon.jit
+def tile_place(t, KT, kv_start, n_pre, pre_start, n_main, post_start, kv_len, BLOCK_N: gl.constexpr,
+               GROUPS: gl.constexpr):  # fmt: skip
+    """What a consumer's softmax needs to know of key tile ``t``: its first key, its group code
+    (key_tile_group) and whether it lies outside the interval walk (group_mask's ``outside``)."""
+    n = key_tile(t, kv_start, n_pre, pre_start, n_main, post_start, BLOCK_N, GROUPS)
+    ktg = key_tile_group(KT, n, kv_len, BLOCK_N, GROUPS)
+    return n, ktg, (t < n_pre) | (t >= n_pre + n_main)
+
+
+@gluon.jit
 def ring_barriers(STAGES: gl.constexpr):
     """The mbarriers ``produce`` and the consumers share: Q's ``ready`` (the TMA transaction) and
     ``empty`` (one arrival per consumer: its last Q @ K^T of the item is done), the held-back

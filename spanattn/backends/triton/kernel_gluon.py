@@ -31,8 +31,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from . import gluon_parts as parts
 from .gluon_parts import (
     consumer_start,
-    key_tile,
-    key_tile_group,
     last_pv,
     produce,
     q_operand,
@@ -41,6 +39,7 @@ from .gluon_parts import (
     scores,
     softmax_step,
     store_rows,
+    tile_place,
     tile_walk,
     work_item,
 )
@@ -57,9 +56,9 @@ def _tile_scores(t, c, acc, alpha, q, q_a, k_smem, k_ready, s_zero, KT, kv_start
     first key, group code and place in the walk (read first: their latency hides under the
     MMAs), ``acc`` rescaled by ``alpha`` while no MMA is in flight (ptxas would wait for them
     before reading acc), then Q @ K^T issued once the keys are in."""
-    n = key_tile(t, kv_start, n_pre, pre_start, n_main, post_start, BLOCK_N, GROUPS)
-    ktg = key_tile_group(KT, n, kv_len, BLOCK_N, GROUPS)
-    outside = (t < n_pre) | (t >= n_pre + n_main)
+    n, ktg, outside = tile_place(
+        t, KT, kv_start, n_pre, pre_start, n_main, post_start, kv_len, BLOCK_N, GROUPS
+    )
     acc = acc * gl.expand_dims(alpha, 1)
     slot = (c + t) % STAGES
     mbarrier.wait(k_ready.index(slot), ((c + t) // STAGES) & 1, pred=live)

@@ -24,8 +24,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from . import gluon_parts as parts
 from .gluon_parts import (
     consumer_start,
-    key_tile,
-    key_tile_group,
     last_pv,
     partition_barrier,
     produce,
@@ -35,6 +33,7 @@ from .gluon_parts import (
     scores,
     softmax_step,
     store_rows,
+    tile_place,
     tile_walk,
     work_item,
 )
@@ -75,9 +74,9 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
             slot = (c + t) % STAGES
             before = c + gl.maximum(t - 1, 0)
             prev = before % STAGES
-            n = key_tile(t, kv_start, n_pre, pre_start, n_main, post_start, BLOCK_N, GROUPS)
-            ktg = key_tile_group(KT + tma_row0, n, kv_len, BLOCK_N, GROUPS)
-            outside = (t < n_pre) | (t >= n_pre + n_main)
+            n, ktg, outside = tile_place(
+                t, KT + tma_row0, kv_start, n_pre, pre_start, n_main, post_start, kv_len, BLOCK_N, GROUPS
+            )
             acc = acc * gl.expand_dims(alpha, 1)
             mbarrier.wait(k_ready.index(slot), ((c + t) // STAGES) & 1)
             s = scores(q, q_a, k_smem.index(2 * slot + PART), s_zero, Q_SPLIT)
