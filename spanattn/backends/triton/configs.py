@@ -70,7 +70,7 @@ WINDOW_CONFIGS = {
 # stages fit; S0 532 -> 623, S1 389 -> 434: triton-h200-s11-d256-gluon.json), and
 # kernel_gluon_split.py's 64-query tiles split in head_dim at d512 (32-key tiles in 2 stages, 213
 # KB: S5 272 -> 392; 64-key tiles in one stage 315, 16-key in four 288:
-# triton-h200-s12-d512-gluon.json).
+# triton-h200-s12-d512-gluon.json; 415 since the rescale skipping of gluon_rescale.py).
 # Persistent launches (one program per SM taking work items in turn) against one program per
 # item, alternating on the H200 (results/2026-12-01-short-walks-*.json): short walks gain (S1
 # d128/d256 +6.9/+5.4%, S3 +4.7%, S4 +2.7%), long ones are even (S0/S2 0.99-1.02x); at d512 the

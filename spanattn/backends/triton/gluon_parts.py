@@ -36,6 +36,7 @@ from .columns import (
     Q_ROW_LAST,
     SEQ,
 )
+from .gluon_rescale import lazy_max
 from .tma_layout import rebased, tma_matrix
 
 # Triton versions the Gluon kernels were checked on, on an H200. Gluon is experimental and
@@ -449,12 +450,14 @@ def scores(q, q_a, k_tile, s_zero, SPLIT: gl.constexpr):
 
 @gluon.jit
 def softmax_step(s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
-                 softcap_log2, outside, gsel, KG, ktg, kv_len, BLOCK_N: gl.constexpr,
+                 softcap_log2, outside, gsel, KG, ktg, kv_len, own, BLOCK_N: gl.constexpr,
                  SOFTCAP: gl.constexpr, GROUPS: gl.constexpr, CLAMP: gl.constexpr):  # fmt: skip
     """One tile's online-softmax step on raw scores ``s`` of keys ``n ...`` in the log2 domain (as
     kernel._softmax): ``p`` (unnormalized, as the A operand of P @ V: the type and layout of the
     previous ``p``), the factor that rescales what was accumulated before (in ``alpha``'s
-    layout, the output's rows), the new row max and row sum. Only tiles outside ``[full_start,
+    layout, the output's rows), the new reference max and row sum, and with ``own`` (the rows
+    that are the item's, not None) the warps' decision whether their maxima moved (gluon_rescale:
+    ``alpha`` is 1 where not; not returned without ``own``). Only tiles outside ``[full_start,
     full_end)`` are masked; the last tile, read shifted back to ``tma_last``, is masked by its
     true key indices. With span groups see ``group_mask`` (``outside``: the tile is not in the
     interval walk)."""
@@ -470,14 +473,22 @@ def softmax_step(s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end,
         kv_idx = gl.expand_dims(gl.minimum(n, tma_last) + offs_n, 0)
         keep = (kv_idx >= gl.expand_dims(gl.maximum(lo, n), 1)) & (kv_idx <= gl.expand_dims(hi, 1))
         s = gl.where(keep, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * s_scale)
+    m_tile = gl.max(s, 1) * s_scale
+    if own is None:
+        m_new = gl.maximum(m_i, m_tile)
+    else:
+        m_new, moved = lazy_max(m_i, m_tile, own)
     # A row may have no allowed key in this tile and none seen yet.
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     p_f = gl.exp2(s * s_scale - gl.expand_dims(m_use, 1))
     alpha_s = gl.exp2(m_i - m_use)
     l_i = l_i * alpha_s + gl.sum(p_f, 1)
     p = gl.convert_layout(p_f.to(p.dtype), p.type.layout)
-    return p, gl.convert_layout(alpha_s, alpha.type.layout), m_new, l_i
+    alpha_s = gl.convert_layout(alpha_s, alpha.type.layout)
+    if own is None:
+        return p, alpha_s, m_new, l_i
+    else:
+        return p, alpha_s, m_new, l_i, gl.convert_layout(moved, alpha.type.layout)
 
 
 @gluon.jit

@@ -112,7 +112,8 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
         mbarrier.arrive(q_empty, pred=num_tiles == 1)
         p, alpha, m_i, l_i = softmax_step(
             s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
-            softcap_log2, outside, gsel, KG + tma_row0, ktg, kv_len, BLOCK_N, SOFTCAP, GROUPS, CLAMP,
+            softcap_log2, outside, gsel, KG + tma_row0, ktg, kv_len, None, BLOCK_N, SOFTCAP, GROUPS,
+            CLAMP,
         )  # fmt: skip
         for t in range(1, num_tiles):
             s, acc, n, ktg, outside = _tile_scores(
@@ -128,8 +129,8 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
             mbarrier.arrive(q_empty, pred=t == num_tiles - 1)
             p, alpha, m_i, l_i = softmax_step(
                 s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
-                softcap_log2, outside, gsel, KG + tma_row0, ktg, kv_len, BLOCK_N, SOFTCAP, GROUPS,
-                CLAMP,
+                softcap_log2, outside, gsel, KG + tma_row0, ktg, kv_len, None, BLOCK_N, SOFTCAP,
+                GROUPS, CLAMP,
             )  # fmt: skip
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
             # The previous tile's values are read: hand its slot back to the producer.
