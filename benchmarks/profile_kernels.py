@@ -1,0 +1,183 @@
+"""Hardware counters of the prefill kernels, the triton backend's against FA4's built-in kernel on
+the same standard steps (Nsight Compute): how busy the tensor cores are, how many instructions
+a step takes, how many SMs idle in the launch's tail, where warps wait.
+
+    python benchmarks/profile_kernels.py --out results/ [--cases triton:S3-256,fa4:S1-256]
+
+A case is ``who:SCENARIO-HEAD_DIM``: ``triton`` runs the scenario (bf16, Hq 16 / Hkv 8, random
+inputs) through the triton backend's forward, ``fa4`` FA4's built-in causal/window kernel on
+its causal twin (short_walks.py: what FA4 can run). The script runs itself under ``ncu --set
+full --clock-control none`` (clocks left alone; each case warmed up and timed with CUDA events
+first, then one call profiled), reads the counters back (``ncu -i ... --page raw``) and writes
+``<date>-kernel-counters-<gpu>.json``. Warp-state samples count every resident warp: the
+Gluon kernels' consumer and producer warps and the three warps that only pad the producer's
+warpgroup (they wait at a barrier, issuing nothing). Needs ``ncu`` and a GPU whose counters it
+may read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CASES = "triton:S0-256,triton:S1-256,triton:S3-256,triton:S0-128,fa4:S0-256,fa4:S1-256,fa4:S0-128"
+KERNELS = "regex:attn_fwd|flash_fwd"  # ours (attn_fwd, attn_fwd_gluon*) and FA4's
+METRICS = {
+    "kernel": "Kernel Name",
+    "profiled_ms": "gpu__time_duration.sum",
+    "tensor_pipe_active_pct": "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed",
+    "sm_active_cycles": "sm__cycles_active.avg",
+    "sm_elapsed_cycles": "sm__cycles_elapsed.avg",
+    "instructions": "smsp__inst_executed.sum",
+    "issue_active_pct": "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "grid": "launch__grid_size",
+    "block": "launch__block_size",
+    "registers": "launch__registers_per_thread",
+    "dynamic_smem_kb": "launch__shared_mem_per_block_dynamic",
+}
+SAMPLES = "smsp__pcsamp_sample_count"
+STALL = "smsp__pcsamp_warps_issue_stalled_"
+
+
+def parse_case(case: str) -> tuple[str, str, int]:
+    """``fa4:S1-256`` -> ("fa4", "S1", 256)."""
+    from spanattn.scenarios import scenarios
+
+    m = re.fullmatch(r"(triton|fa4):(\w+)-(\d+)", case)
+    if not m or m[2] not in scenarios():
+        raise ValueError(f"--cases: {case!r} is not triton|fa4:SCENARIO-HEAD_DIM (e.g. fa4:S1-256)")
+    return m[1], m[2], int(m[3])
+
+
+def _number(text: str):
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return text
+
+
+def summarize(raw_csv: str) -> list[dict]:
+    """ncu's raw page (a header row, a units row, a row per profiled kernel) -> per kernel the
+    METRICS and each warp-stall reason's share of the samples (``stalls``, largest first)."""
+    rows = list(csv.reader(io.StringIO(raw_csv)))
+    head = rows[0]
+    out = []
+    for row in rows[2:]:
+        val = dict(zip(head, row))
+        rec = {key: _number(val[name]) for key, name in METRICS.items() if name in val}
+        total = _number(val.get(SAMPLES, "0")) or 1
+        stalls = {h[len(STALL):]: _number(v) / total for h, v in val.items()
+                  if h.startswith(STALL) and not h.endswith("_not_issued")}  # fmt: skip
+        shares = sorted(((k, round(v, 4)) for k, v in stalls.items() if v), key=lambda kv: -kv[1])
+        rec["stalls"] = dict(shares)
+        out.append(rec)
+    return out
+
+
+def _call(who: str, sid: str, d: int):
+    """(the call, its allowed pairs) for one case on the GPU."""
+    import torch
+
+    import spanattn as sa
+    from spanattn.scenarios import HKV, HQ, scenarios
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from short_walks import _builtin, _causal_twin  # this script's folder
+
+    sc = scenarios()[sid]
+    p = sa.plan(*(_causal_twin(sc) if who == "fa4" else (sc.batch, sc.layer)), "cuda")
+    q, k, v = (torch.randn(n, h, d, device="cuda", dtype=torch.bfloat16)
+               for n, h in ((p.total_q, HQ), (p.total_k, HKV), (p.total_k, HKV)))  # fmt: skip
+    if who == "fa4":
+        builtin = _builtin(d)
+        if builtin is None:
+            raise SystemExit(f"{sid}-{d}: FA4 is not installed here or stops short of head_dim {d}")
+        return (lambda: builtin(q, k, v, p)), p.allowed_pairs()
+    from spanattn.backends import triton as tb
+
+    return (lambda: tb.forward(q, k, v, p, scale=d**-0.5)), p.allowed_pairs()
+
+
+def child(cases: list[str]) -> None:
+    """Inside ncu: warm every case up and time it, then profile one call of each in turn."""
+    import torch
+
+    calls, timed = [], []
+    for case in cases:
+        fn, pairs = _call(*parse_case(case))
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        calls.append(fn)
+        timed.append({"case": case, "event_ms": start.elapsed_time(end) / 10, "allowed_pairs": pairs})
+    torch.cuda.profiler.start()
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print("TIMED " + json.dumps(timed), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="folder for <date>-kernel-counters-<gpu>.json")
+    ap.add_argument("--cases", default=CASES, help="who:scenario-head_dim, ...")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the profiled process
+    args = ap.parse_args()
+    try:
+        cases = args.cases.split(",")
+        [parse_case(c) for c in cases]
+    except ValueError as e:
+        ap.error(str(e))
+    if args.child:
+        child(cases)
+        return
+    import torch
+
+    if not args.out:
+        ap.error("--out is needed")
+    if not torch.cuda.is_available() or not shutil.which("ncu"):
+        ap.error("profile_kernels.py reads a GPU's counters with ncu: no GPU or no ncu here")
+    with tempfile.TemporaryDirectory() as tmp:
+        rep = Path(tmp) / "prof"
+        cmd = ["ncu", "--clock-control", "none", "--set", "full", "--import-source", "no",
+               "--profile-from-start", "off", "-k", KERNELS, "-o", str(rep),
+               sys.executable, __file__, "--child", "--cases", args.cases]  # fmt: skip
+        print("profiling", ", ".join(cases), flush=True)
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        timed = [line for line in run.stdout.splitlines() if line.startswith("TIMED ")]
+        if run.returncode or not timed:
+            raise SystemExit(f"ncu failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+        raw = subprocess.run(["ncu", "-i", f"{rep}.ncu-rep", "--page", "raw", "--csv"],
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+    kernels = summarize(raw)
+    if len(kernels) != len(cases):
+        raise SystemExit(f"expected one profiled kernel per case, got {len(kernels)} for {len(cases)}")
+    from spanattn.bench.report import environment, result_path
+
+    rows = [{**t, **k} for t, k in zip(json.loads(timed[-1][6:]), kernels)]
+    for r in rows:
+        print(f"{r['case']:14} {r['event_ms']:8.3f} ms  tensor pipes {r['tensor_pipe_active_pct']:5.1f}%  "
+              f"SMs active {100 * r['sm_active_cycles'] / r['sm_elapsed_cycles']:5.1f}%  "
+              f"{r['instructions'] / 1e9:.2f} G instructions")  # fmt: skip
+    env = environment("cuda")
+    path = result_path(args.out, "kernel-counters", env)
+    path.write_text(json.dumps({**env, "cases": rows, "notes": __doc__}, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
