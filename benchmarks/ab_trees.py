@@ -22,22 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 from pathlib import Path
-
-
-def parse_case(case: str) -> tuple[str, int, int]:
-    """``S3-256`` -> ("S3", 256, 0): scenario, head_dim, page size (0: packed K/V);
-    ``S1-128-p16`` -> ("S1", 128, 16): K/V in a cache of 16-token pages."""
-    from spanattn.scenarios import scenarios, video_scenarios
-
-    m = re.fullmatch(r"(\w+)-(\d+)(?:-p(\d+))?", case)
-    if not m or m[1] not in {**scenarios(), **video_scenarios()}:
-        raise ValueError(f"--cases: {case!r} is not SCENARIO-HEAD_DIM[-pPAGE] (e.g. S3-256, S1-128-p16)")
-    return m[1], int(m[2]), int(m[3] or 0)
 
 
 def time_cases(cases: list[str]) -> dict:
@@ -47,11 +35,12 @@ def time_cases(cases: list[str]) -> dict:
 
     import spanattn as sa
     from spanattn.backends import triton as tb
-    from spanattn.scenarios import HKV, HQ, scenarios, video_scenarios
+    from spanattn.bench.cases import named_scenarios, parse_case
+    from spanattn.scenarios import HKV, HQ
 
     def call(case: str):
         sid, d, page = parse_case(case)
-        sc = {**scenarios(), **video_scenarios()}[sid]
+        sc = named_scenarios()[sid]
         p = sa.plan(sc.batch, sc.layer, "cuda")
         shapes = ((p.total_q, HQ), (p.total_k, HKV), (p.total_k, HKV))
         q, k, v = (torch.randn(n, h, d, device="cuda", dtype=torch.bfloat16) for n, h in shapes)
@@ -101,6 +90,8 @@ def main():
         return
     if not args.out or len(args.trees) < 2:
         ap.error("--out and at least two --trees are needed")
+    from spanattn.bench.cases import parse_case
+
     cases = args.cases.split(",")
     try:
         [parse_case(c) for c in cases]

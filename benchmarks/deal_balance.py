@@ -24,14 +24,15 @@ import torch
 import spanattn as sa
 from spanattn.backends.triton.configs import GLUON_CONFIGS
 from spanattn.backends.triton.schedule import build_schedule
-from spanattn.scenarios import HQ, scenarios
+from spanattn.bench.cases import named_scenarios, parse_case
+from spanattn.scenarios import HQ
 
 CASES = ("S0-128", "S0-256", "S1-128", "S1-256", "S2-128", "S2-256", "S3-256", "S4-128", "S5-512")
 
 
 def item_costs(sid: str, d: int, item_cost: float, scale: int = 1) -> torch.Tensor:
     """float64 ``[tiles * HQ]``: each work item's cost in key tiles, in launch order."""
-    sc = scenarios(scale)[sid]
+    sc = named_scenarios(scale)[sid]
     cfg = GLUON_CONFIGS[d]
     sched = build_schedule(sa.plan(sc.batch, sc.layer, "cpu"), cfg.block_m, cfg.block_n)
     keys = (sched.column("kv_end") - sched.column("kv_start")).clamp_min(0).double()
@@ -77,10 +78,13 @@ def main():
     args = ap.parse_args()
     from spanattn.bench.report import environment, result_path
 
+    try:
+        cases = {case: parse_case(case, pages=False) for case in args.cases.split(",")}
+    except ValueError as e:
+        ap.error(str(e))
     rows = {}
-    for case in args.cases.split(","):
-        sid, d = case.split("-")
-        rows[case] = balance(item_costs(sid, int(d), args.item_cost, args.scale), args.sms)
+    for case, (sid, d, _) in cases.items():
+        rows[case] = balance(item_costs(sid, d, args.item_cost, args.scale), args.sms)
         r = rows[case]
         print(f"{case}: {r['items']} items, {r['items_per_program']:.1f} per program, dealt "
               f"{r['dealt_over_perfect']:.4f}, greedy {r['greedy_over_perfect']:.4f} x perfect")  # fmt: skip

@@ -9,10 +9,10 @@ inputs) through the triton backend's forward, ``fa4`` FA4's built-in causal/wind
 its causal twin (short_walks.py: what FA4 can run). The script runs itself under ``ncu --set
 full --clock-control none`` (clocks left alone; each case warmed up and timed with CUDA events
 first, then one call profiled), reads the counters back (``ncu -i ... --page raw``) and writes
-``<date>-kernel-counters-<gpu>.json``. Warp-state samples count every resident warp: the
-Gluon kernels' consumer and producer warps and the three warps that only pad the producer's
-warpgroup (they wait at a barrier, issuing nothing). Needs ``ncu`` and a GPU whose counters it
-may read.
+``<date>-kernel-counters-<gpu>.json`` and a PNG of the tensor pipes' busy share per step.
+Warp-state samples count every resident warp: the Gluon kernels' consumer and producer warps
+and the three warps that only pad the producer's warpgroup (they wait at a barrier, issuing
+nothing). Needs ``ncu`` and a GPU whose counters it may read.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import argparse
 import csv
 import io
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -48,13 +47,14 @@ STALL = "smsp__pcsamp_warps_issue_stalled_"
 
 
 def parse_case(case: str) -> tuple[str, str, int]:
-    """``fa4:S1-256`` -> ("fa4", "S1", 256)."""
-    from spanattn.scenarios import scenarios
+    """``fa4:S1-256`` -> ("fa4", "S1", 256): who, then a case of spanattn.bench.cases (no pages)."""
+    from spanattn.bench.cases import parse_case as scenario_case
 
-    m = re.fullmatch(r"(triton|fa4):(\w+)-(\d+)", case)
-    if not m or m[2] not in scenarios():
-        raise ValueError(f"--cases: {case!r} is not triton|fa4:SCENARIO-HEAD_DIM (e.g. fa4:S1-256)")
-    return m[1], m[2], int(m[3])
+    who, _, rest = case.partition(":")
+    if who not in ("triton", "fa4"):
+        raise ValueError(f"--cases: {case!r} does not start with triton: or fa4:")
+    sid, d, _ = scenario_case(rest, pages=False)
+    return who, sid, d
 
 
 def _number(text: str):
@@ -82,17 +82,47 @@ def summarize(raw_csv: str) -> list[dict]:
     return out
 
 
+def write_png(path: Path, rows: list[dict]) -> bool:
+    """Bars of the tensor pipes' busy share per step, one colour per kernel. False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    steps = list(dict.fromkeys(r["case"].split(":")[1] for r in rows))
+    fig, ax = plt.subplots(figsize=(1.6 * len(steps) + 2, 4))
+    for j, who in enumerate(("triton", "fa4")):
+        got = {
+            r["case"].split(":")[1]: r["tensor_pipe_active_pct"] for r in rows if r["case"].startswith(who)
+        }
+        xs = [i + (j - 0.5) * 0.4 for i, step in enumerate(steps) if step in got]
+        label = "triton backend" if who == "triton" else "FA4's built-in kernel (causal twin)"
+        ax.bar(xs, [got[step] for step in steps if step in got], 0.4, label=label)
+    ax.set_xticks(range(len(steps)), steps)
+    ax.set_ylim(0, 100)
+    ax.set_ylabel("tensor pipes busy, % of the launch")
+    ax.set_title("Where the MMA time goes (Nsight Compute, one call per step)")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def _call(who: str, sid: str, d: int):
     """(the call, its allowed pairs) for one case on the GPU."""
     import torch
 
     import spanattn as sa
-    from spanattn.scenarios import HKV, HQ, scenarios
+    from spanattn.bench.cases import named_scenarios
+    from spanattn.scenarios import HKV, HQ
 
     sys.path.insert(0, str(Path(__file__).parent))
     from short_walks import _builtin, _causal_twin  # this script's folder
 
-    sc = scenarios()[sid]
+    sc = named_scenarios()[sid]
     p = sa.plan(*(_causal_twin(sc) if who == "fa4" else (sc.batch, sc.layer)), "cuda")
     q, k, v = (torch.randn(n, h, d, device="cuda", dtype=torch.bfloat16)
                for n, h in ((p.total_q, HQ), (p.total_k, HKV), (p.total_k, HKV)))  # fmt: skip
@@ -176,7 +206,10 @@ def main():
     env = environment("cuda")
     path = result_path(args.out, "kernel-counters", env)
     path.write_text(json.dumps({**env, "cases": rows, "notes": __doc__}, indent=1) + "\n")
-    print(f"wrote {path}")
+    print(
+        f"wrote {path}"
+        + (f" and {path.with_suffix('.png').name}" if write_png(path.with_suffix(".png"), rows) else "")
+    )
 
 
 if __name__ == "__main__":

@@ -31,16 +31,6 @@ def test_needs_two_trees(monkeypatch, tmp_path):
         _script().main()
 
 
-def test_cases_name_scenario_head_dim_and_page_size():
-    parse = _script().parse_case
-    assert parse("S3-256") == ("S3", 256, 0)
-    assert parse("S1-128-p16") == ("S1", 128, 16)
-    assert parse("V2-128") == ("V2", 128, 0)
-    for bad in ("S9-128", "S3", "S3-256-16", "S3-d256"):
-        with pytest.raises(ValueError, match="--cases"):
-            parse(bad)
-
-
 def test_a_bad_case_is_refused_before_any_timing(monkeypatch, tmp_path, capsys):
     argv = ["ab_trees.py", "--out", str(tmp_path), "--trees", "a=.", "b=.", "--cases", "S3-256,S3-x"]
     monkeypatch.setattr(sys, "argv", argv)

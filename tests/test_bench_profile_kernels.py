@@ -27,7 +27,7 @@ def test_counters_are_read_per_kernel_with_stall_shares_largest_first():
 def test_case_names_are_checked_before_anything_runs(monkeypatch, tmp_path):
     script = load_script("profile_kernels")
     assert script.parse_case("fa4:S1-256") == ("fa4", "S1", 256)
-    for bad in ("flex:S1-256", "triton:S9-128", "triton:S1"):
+    for bad in ("flex:S1-256", "triton:S9-128", "triton:S1", "S1-256", "triton:S1-256-p16"):
         with pytest.raises(ValueError, match="--cases"):
             script.parse_case(bad)
     monkeypatch.setattr(sys, "argv", ["profile_kernels.py", "--out", str(tmp_path), "--cases", "triton:S1"])

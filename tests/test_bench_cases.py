@@ -1,0 +1,24 @@
+"""The benchmark scripts' case names (spanattn.bench.cases): exact parses, and refusals that
+name the bad case before any timing."""
+
+from __future__ import annotations
+
+import pytest
+
+from spanattn.bench.cases import named_scenarios, parse_case
+
+
+def test_cases_name_scenario_head_dim_and_page_size():
+    assert parse_case("S3-256") == ("S3", 256, 0)
+    assert parse_case("S1-128-p16") == ("S1", 128, 16)
+    assert parse_case("V2-128") == ("V2", 128, 0)
+    assert {"S0", "S5", "D1", "V1", "V2-plain"} <= set(named_scenarios())
+    for bad in ("S9-128", "S3", "S3-256-16", "S3-d256"):
+        with pytest.raises(ValueError, match=f"'{bad}' is not SCENARIO-HEAD_DIM"):
+            parse_case(bad)
+
+
+def test_pages_are_refused_where_a_script_has_none():
+    assert parse_case("S3-256", pages=False) == ("S3", 256, 0)
+    with pytest.raises(ValueError, match=r"'S1-128-p16' is not SCENARIO-HEAD_DIM \(e.g. S3-256\)"):
+        parse_case("S1-128-p16", pages=False)
