@@ -41,7 +41,12 @@ METRICS = {
     "block": "launch__block_size",
     "registers": "launch__registers_per_thread",
     "dynamic_smem_kb": "launch__shared_mem_per_block_dynamic",
+    "l2_hit_pct": "lts__t_sector_hit_rate.pct",
+    "dram_read_gb": "dram__bytes_read.sum",
 }
+# ncu picks a unit per column (us or ms, Mbyte or Gbyte): factors to the unit the key names.
+TO = {"profiled_ms": {"ns": 1e-6, "us": 1e-3, "ms": 1.0},
+      "dram_read_gb": {"byte": 1e-9, "Kbyte": 1e-6, "Mbyte": 1e-3, "Gbyte": 1.0}}  # fmt: skip
 SAMPLES = "smsp__pcsamp_sample_count"
 STALL = "smsp__pcsamp_warps_issue_stalled_"
 
@@ -68,11 +73,14 @@ def summarize(raw_csv: str) -> list[dict]:
     """ncu's raw page (a header row, a units row, a row per profiled kernel) -> per kernel the
     METRICS and each warp-stall reason's share of the samples (``stalls``, largest first)."""
     rows = list(csv.reader(io.StringIO(raw_csv)))
-    head = rows[0]
+    head, units = rows[0], dict(zip(rows[0], rows[1]))
     out = []
     for row in rows[2:]:
         val = dict(zip(head, row))
         rec = {key: _number(val[name]) for key, name in METRICS.items() if name in val}
+        for key, factor in TO.items():
+            if key in rec:
+                rec[key] *= factor[units[METRICS[key]]]
         total = _number(val.get(SAMPLES, "0")) or 1
         stalls = {h[len(STALL):]: _number(v) / total for h, v in val.items()
                   if h.startswith(STALL) and not h.endswith("_not_issued")}  # fmt: skip
