@@ -21,7 +21,9 @@ from triton.experimental.gluon import language as gl
 SKIP_LOG2 = gl.constexpr(8.0)
 
 # Any row of the warp: a thread holds two rows of the accumulator layout, the vote covers the
-# warp's other threads. ``vote.sync`` needs every lane: the callers run it outside any branch.
+# warp's other threads. ``vote.sync`` needs every lane: the callers run it outside any branch,
+# and both asm blocks are marked as having side effects so that no compiler pass moves one into
+# a branch or copies the other's labels (the PTX is the same either way on triton 3.6).
 _WARP_ANY = gl.constexpr(
     "{ .reg .pred p; .reg .b32 t; or.b32 t, $2, $3; setp.ne.s32 p, t, 0; "
     "vote.sync.any.pred p, p, -1; selp.s32 $0, 1, 0, p; mov.b32 $1, $0; }"
@@ -52,7 +54,7 @@ def lazy_max(m_i, m_tile, own):
     to ``max(m_i, m_tile)`` when one of its ``own`` rows passed its maximum by ``SKIP_LOG2``, else
     none does (a row's first allowed keys always pass ``-inf``)."""
     passed = ((m_tile > m_i + SKIP_LOG2) & own).to(gl.int32)
-    moved = gl.inline_asm_elementwise(_WARP_ANY, "=r,=r,r,r", [passed], dtype=gl.int32, is_pure=True, pack=2)
+    moved = gl.inline_asm_elementwise(_WARP_ANY, "=r,=r,r,r", [passed], dtype=gl.int32, is_pure=False, pack=2)
     return gl.where(moved != 0, gl.maximum(m_i, m_tile), m_i), moved
 
 
@@ -64,5 +66,5 @@ def rescale(acc, alpha, moved):
     gl.static_assert(acc.shape[1] == 256, "one thread's 128 values per asm")
     a = gl.broadcast(gl.expand_dims(alpha, 1), acc)[0]
     m = gl.broadcast(gl.expand_dims(moved, 1), acc)[0]
-    return gl.inline_asm_elementwise(SKIP_ASM, SKIP_CONSTRAINTS, [acc, a, m], dtype=gl.float32, is_pure=True,
+    return gl.inline_asm_elementwise(SKIP_ASM, SKIP_CONSTRAINTS, [acc, a, m], dtype=gl.float32, is_pure=False,
                                      pack=128)  # fmt: skip
