@@ -42,6 +42,8 @@ METRICS = {
     "registers": "launch__registers_per_thread",
     "dynamic_smem_kb": "launch__shared_mem_per_block_dynamic",
     "l2_hit_pct": "lts__t_sector_hit_rate.pct",
+    "l2_busy_pct": "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "smem_busy_pct": "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed",
     "dram_read_gb": "dram__bytes_read.sum",
 }
 # ncu picks a unit per column (us or ms, Mbyte or Gbyte): factors to the unit the key names.
