@@ -124,13 +124,11 @@ def write_png(path: Path, rows: list[dict]) -> bool:
 def _call(who: str, sid: str, d: int):
     """(the call, its allowed pairs) for one case on the GPU."""
     import torch
+    from short_walks import _builtin, _causal_twin  # this script's folder (sys.path[0])
 
     import spanattn as sa
     from spanattn.bench.cases import named_scenarios
     from spanattn.scenarios import HKV, HQ
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from short_walks import _builtin, _causal_twin  # this script's folder
 
     sc = named_scenarios()[sid]
     p = sa.plan(*(_causal_twin(sc) if who == "fa4" else (sc.batch, sc.layer)), "cuda")
