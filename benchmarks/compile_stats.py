@@ -44,7 +44,8 @@ from spanattn.backends.triton.configs import Config, pick, pick_gluon
 
 FP_ARGS = ("Q", "K", "V", "K_DESC", "V_DESC", "OUT", "LSE")
 SCALAR_FP = ("qk_scale", "softcap_log2")
-SCALAR_INT = ("last_page", "num_items")  # runtime scalars exempt from specialization (do_not_specialize)
+# runtime scalars exempt from specialization (do_not_specialize)
+SCALAR_INT = ("last_page", "num_items", "section")
 
 
 def signature() -> dict[str, str]:

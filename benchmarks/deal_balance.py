@@ -1,16 +1,17 @@
 """How evenly a persistent Gluon launch spreads a step's work over the GPU's SMs, worked out on
-the CPU from the tile schedule: the programs' busiest total over a perfect split, for the deal
-the kernels use (gluon_parts.work_item: work items dealt to the programs forward on even rounds,
-backward on odd ones) and for a greedy deal (each item to the program that is free first, as
-the hardware does with one program per item, or a work queue would).
+the CPU from the tile schedule: the programs' busiest total over a perfect split when each item
+goes to the program free first (gluon_deal.py: the kernels deal items at run time, as the
+hardware deals one program per item), items in the launch's order (sections of the KV heads
+whose K/V fit in L2, each section's tiles heaviest first) and, for comparison, in the
+schedule's order (all heads of a tile together).
 
-    python benchmarks/deal_balance.py --out results/ [--sms 132] [--item-cost 2]
+    python benchmarks/deal_balance.py --out results/ [--sms 132] [--item-cost 2] [--l2-mb 50]
 
-A work item is (query tile, head), heaviest first (the schedule's LPT order, heads fastest); its
-cost in key tiles: those it walks plus ``--item-cost`` for its Q load, first and last tiles and
-stores. A perfect split: the total over the programs, or the heaviest item if that is more. A
-ratio of 1.03 means the launch's last program finishes 3% after a perfect one would: the most a
-better deal could win. Writes ``<date>-deal-balance-<cpu>.json``.
+A work item is (query tile, head); its cost in key tiles: those it walks plus ``--item-cost``
+for its Q load, first and last tiles and stores. A perfect split: the total over the programs,
+or the heaviest item if that is more. A ratio of 1.03 means the launch's last program finishes
+3% after a perfect one would: the most a better order could win. Writes
+``<date>-deal-balance-<cpu>.json``.
 """
 
 from __future__ import annotations
@@ -23,30 +24,30 @@ import torch
 
 import spanattn as sa
 from spanattn.backends.triton.configs import GLUON_CONFIGS
+from spanattn.backends.triton.gluon_deal import kv_heads_per_section
 from spanattn.backends.triton.schedule import build_schedule
 from spanattn.bench.cases import named_scenarios, parse_case
-from spanattn.scenarios import HQ
+from spanattn.scenarios import HKV, HQ
 
 CASES = ("S0-128", "S0-256", "S1-128", "S1-256", "S2-128", "S2-256", "S3-256", "S4-128", "S5-512")
 
 
-def item_costs(sid: str, d: int, item_cost: float, scale: int = 1) -> torch.Tensor:
-    """float64 ``[tiles * HQ]``: each work item's cost in key tiles, in launch order."""
+def tile_costs(sid: str, d: int, item_cost: float, scale: int = 1) -> tuple[torch.Tensor, int]:
+    """float64 ``[tiles]``: an item's cost for each query tile of the schedule (heaviest first),
+    and the step's keys (for the sections)."""
     sc = named_scenarios(scale)[sid]
     cfg = GLUON_CONFIGS[d]
-    sched = build_schedule(sa.plan(sc.batch, sc.layer, "cpu"), cfg.block_m, cfg.block_n)
+    plan = sa.plan(sc.batch, sc.layer, "cpu")
+    sched = build_schedule(plan, cfg.block_m, cfg.block_n)
     keys = (sched.column("kv_end") - sched.column("kv_start")).clamp_min(0).double()
-    return (torch.ceil(keys / cfg.block_n) + item_cost).repeat_interleave(HQ)
+    return torch.ceil(keys / cfg.block_n) + item_cost, plan.total_k
 
 
-def dealt(costs: list[float], programs: int) -> float:
-    """The busiest program's total under gluon_parts.work_item's deal: item ``r * programs +
-    lane`` goes to program ``lane`` on even rounds ``r`` and ``programs - 1 - lane`` on odd."""
-    load = [0.0] * programs
-    for i, c in enumerate(costs):
-        r, lane = divmod(i, programs)
-        load[lane if r % 2 == 0 else programs - 1 - lane] += c
-    return max(load)
+def in_sections(tiles: torch.Tensor, section: int) -> torch.Tensor:
+    """The items' costs in the launch's order (gluon_deal.item_place): sections of ``section``
+    KV heads, each its tiles heaviest first with the section's query heads fastest."""
+    heads = section * (HQ // HKV)
+    return tiles.repeat_interleave(heads).repeat(HKV // section)
 
 
 def greedy(costs: list[float], programs: int) -> float:
@@ -57,14 +58,15 @@ def greedy(costs: list[float], programs: int) -> float:
     return max(free)
 
 
-def balance(costs: torch.Tensor, programs: int) -> dict:
-    c = costs.tolist()
-    bound = max(sum(c) / programs, max(c))
+def balance(tiles: torch.Tensor, section: int, programs: int) -> dict:
+    launch, schedule = in_sections(tiles, section).tolist(), in_sections(tiles, HKV).tolist()
+    bound = max(sum(launch) / programs, max(launch))
     return {
-        "items": len(c),
-        "items_per_program": len(c) / programs,
-        "dealt_over_perfect": dealt(c, programs) / bound,
-        "greedy_over_perfect": greedy(c, programs) / bound,
+        "items": len(launch),
+        "items_per_program": len(launch) / programs,
+        "kv_heads_per_section": section,
+        "greedy_over_perfect": greedy(launch, programs) / bound,
+        "schedule_order_over_perfect": greedy(schedule, programs) / bound,
     }
 
 
@@ -73,6 +75,7 @@ def main():
     ap.add_argument("--out", required=True, help="folder for the JSON")
     ap.add_argument("--sms", type=int, default=132, help="programs of a persistent launch (H200: 132)")
     ap.add_argument("--item-cost", type=float, default=2.0, help="key tiles' worth of work per item")
+    ap.add_argument("--l2-mb", type=float, default=50.0, help="L2 cache in MiB (H200: 50)")
     ap.add_argument("--cases", default=",".join(CASES), help="scenario-head_dim, ...")
     ap.add_argument("--scale", type=int, default=1, help="divide token counts")
     args = ap.parse_args()
@@ -84,13 +87,15 @@ def main():
         ap.error(str(e))
     rows = {}
     for case, (sid, d, _) in cases.items():
-        rows[case] = balance(item_costs(sid, d, args.item_cost, args.scale), args.sms)
-        r = rows[case]
-        print(f"{case}: {r['items']} items, {r['items_per_program']:.1f} per program, dealt "
-              f"{r['dealt_over_perfect']:.4f}, greedy {r['greedy_over_perfect']:.4f} x perfect")  # fmt: skip
+        tiles, keys = tile_costs(sid, d, args.item_cost, args.scale)
+        section = kv_heads_per_section(HKV, keys * 2 * d * 2, int(args.l2_mb * (1 << 20)))  # bf16 K and V
+        rows[case] = r = balance(tiles, section, args.sms)
+        print(f"{case}: {r['items']} items, {r['items_per_program']:.1f} per program, sections of "
+              f"{section} KV heads {r['greedy_over_perfect']:.4f}, schedule order "
+              f"{r['schedule_order_over_perfect']:.4f} x perfect")  # fmt: skip
     env = environment("cpu")
-    result = {**env, "sms": args.sms, "item_cost": args.item_cost, "scale": args.scale, "cases": rows,
-              "notes": __doc__}  # fmt: skip
+    result = {**env, "sms": args.sms, "item_cost": args.item_cost, "l2_mb": args.l2_mb, "scale": args.scale,
+              "cases": rows, "notes": __doc__}  # fmt: skip
     path = result_path(args.out, "deal-balance", env)
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path}")

@@ -244,13 +244,41 @@ def test_persistent_programs_walk_many_items(d, programs, monkeypatch):
         assert_close_to_truth(out, lse, q, k, v, p, scale=d**-0.5)
 
 
+@hopper_only
+@pytest.mark.parametrize("d", DIMS)
+def test_deal_counters_reset_between_launches_and_graph_replays(d, monkeypatch):
+    """Items are dealt at run time from counters the last program of a launch sets back to zero
+    (gluon_deal): launch after launch, and replay after replay of a captured CUDA graph, every
+    item is computed once (the output equals the first call's bit for bit, on 3 "SMs" so that
+    each program takes many items)."""
+    from spanattn.backends import triton as tb
+    from spanattn.backends.triton import gluon_parts
+
+    monkeypatch.setattr(gluon_parts, "sm_count", lambda device: 3)
+    p = sa.plan(LONG, LAYERS["causal"], device="cuda")
+    q, k, v = (t.cuda() for t in _qkv(p, 8, 2, torch.bfloat16, seed=5, d=d))
+    first = tb.forward(q, k, v, p, scale=d**-0.5)[0].clone()
+    for _ in range(3):
+        assert torch.equal(tb.forward(q, k, v, p, scale=d**-0.5)[0], first)
+    out = torch.full_like(q, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # on a stream of its own: counters of its own, zeroed in the graph
+        tb.forward(q, k, v, p, scale=d**-0.5, out=out)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)
+
+
 @pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("grouped", [False, True], ids=["plain", "groups"])
 def test_launch_binds_every_kernel_argument(d, paged, grouped, monkeypatch):
     """The host side of a launch, on any machine: the arguments it passes bind to the kernel's
-    signature (none missing, none extra) and the grid has one program per SM (persistent, here
-    5 SMs) or one per work item (query tile and head)."""
+    signature (none missing, none extra), the grid has one program per SM (persistent, here
+    5 SMs) or one per work item (query tile and head), the deal's counters start at zero and its
+    sections hold the KV heads whose K/V fit in L2."""
     import inspect
 
     from spanattn.backends.triton import GLUON_KERNELS, _gluon_module, gluon_parts
@@ -277,6 +305,7 @@ def test_launch_binds_every_kernel_argument(d, paged, grouped, monkeypatch):
     groups = gluon_group_args(p, sched)
     assert (groups is not None) == grouped
     monkeypatch.setattr(gluon_parts, "sm_count", lambda device: 5)
+    monkeypatch.setattr(gluon_parts, "l2_bytes", lambda device: p.total_k * 2 * d * 2)  # one KV head's K/V
     out = q.clone()
     for persistent in (False, True):
         launch = module.launch.func(
@@ -290,6 +319,8 @@ def test_launch_binds_every_kernel_argument(d, paged, grouped, monkeypatch):
     assert len(args) == len(args_persistent) and kwargs.pop("num_warps") == 4  # a launch option
     bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
     assert bound.arguments["num_items"] == sched.num_tiles * 8
+    assert bound.arguments["DEAL"].dtype == torch.int32 and bound.arguments["DEAL"].tolist() == [0, 0]
+    assert bound.arguments["section"] == 1  # of the two KV heads, one fits
     assert bound.arguments["PAGE"] == page and bound.arguments["GROUP"] == 4
     assert bound.arguments["GROUPS"] == grouped and not bound.arguments["CLAMP"]
     if grouped:

@@ -22,8 +22,9 @@ class Config:
     tma: bool = False  # packed K/V tiles through TMA descriptors (sm_90+, head_dim a power of two)
     # a Gluon kernel's tiles (GLUON_CONFIGS): block_m, block_n and num_stages hold, the rest not
     gluon: bool = False
-    # a Gluon kernel's launch: one program per SM taking work items in turn, each item's Q and
-    # first K/V loaded under the previous item's last P @ V and stores (False: one program per item)
+    # a Gluon kernel's launch: one program per SM taking work items as it goes (gluon_deal.py),
+    # each item's Q and first K/V loaded under the previous item's last P @ V and stores (False:
+    # one program per item, as the hardware deals them)
     persistent: bool = True
 
 
@@ -71,15 +72,17 @@ WINDOW_CONFIGS = {
 # kernel_gluon_split.py's 64-query tiles split in head_dim at d512 (32-key tiles in 2 stages, 213
 # KB: S5 272 -> 392; 64-key tiles in one stage 315, 16-key in four 288:
 # triton-h200-s12-d512-gluon.json; 415 since the rescale skipping of gluon_rescale.py).
-# Persistent launches (one program per SM taking work items in turn) against one program per
-# item, alternating on the H200 (results/2026-12-01-short-walks-*.json): short walks gain (S1
-# d128/d256 +6.9/+5.4%, S3 +4.7%, S4 +2.7%), long ones are even (S0/S2 0.99-1.02x); at d512 the
-# 8192 64-query items of S5 dealt in a fixed order ran 6% slower than the hardware's own
-# dispatch (48.8 vs 46.0 ms), so d512 keeps one program per item.
+# Persistent launches (one program per SM taking work items) against one program per item,
+# alternating on the H200 (results/2026-12-01-short-walks-*.json): short walks gain (S1
+# d128/d256 +6.9/+5.4%, S3 +4.7%, S4 +2.7%), long ones were even (S0/S2 0.99-1.02x) while the
+# items were dealt in a fixed order; at d512 that order ran S5 6% slower than the hardware's own
+# dispatch (48.8 vs 46.0 ms). Dealt at run time in L2-sized sections of KV heads (gluon_deal.py)
+# every head_dim runs persistent: against the fixed deal (d512: one program per item) S0-S2 and
+# S4 1.1-2.8% less time, S5 2.6%, S3 even (results/2026-12-02-ab-trees-run-time-deal-late-h200.json).
 GLUON_CONFIGS = {
     128: Config(128, 128, 8, 3, tma=True, gluon=True),
     256: Config(128, 64, 8, 2, tma=True, gluon=True),
-    512: Config(64, 32, 8, 2, tma=True, gluon=True, persistent=False),
+    512: Config(64, 32, 8, 2, tma=True, gluon=True),
 }
 
 # Small tiles for TRITON_INTERPRET=1 (CPU tests): cheap per step and many tile edges to cross.

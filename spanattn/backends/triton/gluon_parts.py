@@ -14,7 +14,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -36,6 +35,8 @@ from .columns import (
     Q_ROW_LAST,
     SEQ,
 )
+from .gluon_compat import partition_barrier, tma_load
+from .gluon_deal import Counters, finish, item_place, kv_heads_per_section, l2_bytes, next_item, publish
 from .gluon_rescale import lazy_max
 from .tma_layout import rebased, tma_matrix
 
@@ -47,11 +48,6 @@ CHECKED_TRITON = ("3.6.",)
 
 # Registers a thread of the consumer warpgroups / of the producer warp holds (setmaxnreg).
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
-
-# TMA's global-to-shared copy: ``async_copy_global_to_shared`` in triton 3.6, ``async_load`` later.
-tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-# A barrier over the calling partition's warps: ``thread_barrier`` in triton 3.6, ``barrier`` later.
-partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 def checked_triton() -> bool:
@@ -85,8 +81,9 @@ class GluonLaunch:
     """Gluon ``kernel`` (``attn_fwd_gluon``'s arguments) over ``q [total_q, Hq, D]`` and ``k, v
     [total_k, Hkv, D]`` (see ``uses_gluon``), or flat paged caches ``k, v [num_pages * page_size,
     Hkv, D]`` read through a block table: a work item per ``tile_rows``-query tile of the
-    schedule and head, one program per SM taking items in turn (``persistent``; else one program
-    per item), Q read in ``q_rows``-row boxes, K/V tiles in ``pieces`` boxes side by side (of
+    schedule and head, dealt as the programs go (gluon_deal.py: in sections of KV heads whose K/V
+    fit in L2) to one program per SM (``persistent``; else one per item, each taking just its
+    own), Q read in ``q_rows``-row boxes, K/V tiles in ``pieces`` boxes side by side (of
     ``block_n`` rows, or ``min(page_size, block_n)`` over pages). ``groups``: the plan's span
     groups as (query groups, key groups, key tile groups, the schedule's group walk), see
     group_walk.py; None without.
@@ -116,6 +113,9 @@ class GluonLaunch:
         self.plan_args = (plan.lo, plan.hi, sched.info, *out_strides[:2])
         self.heads_at = heads_at
         self.group_args = (*(groups or (plan.lo,) * 4), items)
+        kv_head_bytes = plan.total_k * 2 * d * k.element_size()  # K and V of one KV head
+        self.section = kv_heads_per_section(k.shape[1], kv_head_bytes, l2_bytes(q.device))
+        self.counters = Counters(q.device)
         self.seq_lens = plan.seq_lens
         self.launch = DirectLaunch(kernel, (max(programs, 1),), dict(
             HQ=hq, GROUP=hq // k.shape[1], HEAD_DIM=d, BLOCK_N=sched.block_n, STAGES=stages,
@@ -130,6 +130,7 @@ class GluonLaunch:
             rebased(bq, q), rebased(bk, k), rebased(bv, v), out, lse if lse is not None else out,
             *self.plan_args, qk_scale, softcap_log2, *self.heads_at,
             block_table if self.paged else self.seq_lens, *self.pages, *self.group_args,
+            self.counters(), self.section,
         )  # fmt: skip
 
 
@@ -139,26 +140,7 @@ def sm_count(device) -> int:
 
 
 @gluon.jit
-def rounds(num_items):
-    """How many work items each program of a launch takes in turn (``work_item``)."""
-    return gl.cdiv(num_items, gl.num_programs(0))
-
-
-@gluon.jit
-def work_item(r):
-    """This program's work item in round ``r`` (query tile x head: ``item // HQ`` is the tile
-    of the schedule, heaviest first): items dealt to the programs forward on even rounds and
-    backward on odd ones, so that the programs' totals even out (dealt forward every round, the
-    first program would take the heaviest item of each). With one program per item, item =
-    program. Past the last item: none (``tile_walk`` gives it no key tiles)."""
-    pid = gl.program_id(0)
-    last = gl.num_programs(0) - 1
-    lane = gl.where(r % 2 == 0, pid, last - pid)
-    return r * (last + 1) + lane
-
-
-@gluon.jit
-def tile_walk(TILE_INFO, BT, stride_bt, WALK_INFO, item, num_items, HQ: gl.constexpr,
+def tile_walk(TILE_INFO, BT, stride_bt, WALK_INFO, item, num_items, section, HQ: gl.constexpr,
               GROUP: gl.constexpr, N_INFO: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
               GROUPS: gl.constexpr):  # fmt: skip
     """Work item ``item``'s head, its KV head, and its query tile's row of the schedule table
@@ -168,12 +150,11 @@ def tile_walk(TILE_INFO, BT, stride_bt, WALK_INFO, item, num_items, HQ: gl.const
     shifted back to end with the sequence on packed K/V, read in place over pages), the
     sequence's page numbers, and the whole walk: ``num_tiles`` key tiles, of which ``n_pre``
     from ``pre_start`` come first and those after ``n_pre + n_main`` from ``post_start`` (span
-    groups, columns.WALK; without, the interval walk alone). No key tiles for an item past
-    ``num_items`` or a device plan's empty tile (its interval walk ends before it starts)."""
-    live = item < num_items
-    item = gl.minimum(item, num_items - 1)
-    head = item % HQ
-    info = TILE_INFO + (item // HQ) * N_INFO
+    groups, columns.WALK; without, the interval walk alone). No key tiles for a device plan's
+    empty tile (its interval walk ends before it starts). Items in sections of ``section`` KV
+    heads (gluon_deal.item_place)."""
+    tile, head = item_place(item, num_items, section, HQ, GROUP)
+    info = TILE_INFO + tile * N_INFO
     q_row0 = gl.load(info + Q_ROW0)
     q_row_last = gl.load(info + Q_ROW_LAST)
     tma_row0 = gl.load(info + K_ROW0)
@@ -193,13 +174,12 @@ def tile_walk(TILE_INFO, BT, stride_bt, WALK_INFO, item, num_items, HQ: gl.const
     post_start = n_pre
     num_tiles = n_main
     if GROUPS:
-        walk_row = WALK_INFO + (item // HQ) * N_WALK
+        walk_row = WALK_INFO + tile * N_WALK
         pre_start = gl.load(walk_row + PRE_START)
         n_pre = gl.load(walk_row + PRE_TILES)
         post_start = gl.load(walk_row + POST_START)
         num_tiles = n_pre + n_main + gl.load(walk_row + POST_TILES)
-    num_tiles = gl.where(live & (n_main > 0), num_tiles, 0)
-    q_row_last = gl.where(live, q_row_last, -1)  # an item past the last stores nothing
+    num_tiles = gl.where(n_main > 0, num_tiles, 0)
     walk = (q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, num_tiles)
     return (head, head // GROUP) + walk + (pages, n_pre, pre_start, n_main, post_start)
 
@@ -265,30 +245,34 @@ def ring_barriers(STAGES: gl.constexpr):
 
 @gluon.jit
 def produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
-            v_ready, v_empty, v_loaded, TILE_INFO, BT, stride_bt, last_page, WALK_INFO, num_items,
-            q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, HQ: gl.constexpr, GROUP: gl.constexpr,
-            N_INFO: gl.constexpr, Q_ROW_STEP: gl.constexpr, Q_COL_STEP: gl.constexpr,
-            PIECES: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE: gl.constexpr,
-            GROUPS: gl.constexpr):  # fmt: skip
-    """The producer warp, over this program's work items in turn. Per item: its Q, as two boxes
+            v_ready, v_empty, v_loaded, items, full, free, TILE_INFO, BT, stride_bt, last_page,
+            WALK_INFO, num_items, DEAL, section, q_head_rows, q_head_cols, kv_head_rows, kv_head_cols,
+            HQ: gl.constexpr, GROUP: gl.constexpr, N_INFO: gl.constexpr, Q_ROW_STEP: gl.constexpr,
+            Q_COL_STEP: gl.constexpr, PIECES: gl.constexpr, BLOCK_N: gl.constexpr,
+            STAGES: gl.constexpr, PAGE: gl.constexpr, GROUPS: gl.constexpr):  # fmt: skip
+    """The producer warp, over the work items it takes (gluon_deal: the first is the program's number,
+    the next asked for once an item's last loads are issued; each handed to the consumers through
+    ``items``, then one past the last, which ends their loops). Per item: its Q, as two boxes
     ``Q_ROW_STEP`` rows / ``Q_COL_STEP`` columns apart, once both consumers are done with the
-    previous item's (so it loads under their last softmax, P @ V and output stores); then K (V) tile
-    ``t`` of the walk, as ``PIECES`` boxes side by side, into K (V) slot ``c % STAGES`` (``c``
-    counts the program's tiles over all its items; shared memory index ``slot * PIECES +
-    piece``) as soon as both consumers released the tile that held it before, tiles in the
-    walk's order (key_tile), running ahead into the next item. Q rows past the sequence end read
-    the next rows (never stored). Packed K/V (``PAGE`` 0): the tile across the sequence end is
-    read shifted back to end with the sequence. Paged K/V: see ``_load_tile``; that tile's
-    values past the end are zeroed before the consumers may read them (``v_loaded`` holds them
-    back until then)."""
+    previous item's (so it loads under their last softmax, P @ V and output stores); then K (V)
+    tile ``t`` of the walk, as ``PIECES`` boxes side by side, into K (V) slot ``c % STAGES`` (``c``
+    counts the program's tiles over all its items; shared memory index ``slot * PIECES + piece``)
+    as soon as both consumers released the tile that held it before, tiles in the walk's order
+    (key_tile), running ahead into the next item. Q rows past the sequence end read the next rows
+    (never stored). Packed K/V (``PAGE`` 0): the tile across the sequence end is read shifted back
+    to end with the sequence. Paged K/V: see ``_load_tile``; that tile's values past the end are
+    zeroed before the consumers may read them (``v_loaded`` holds them back until then)."""
     boxes: gl.constexpr = PIECES * (BLOCK_N // k_desc.block_type.shape[0])
     c = 0  # key tiles loaded, over all items
     i = 0  # items loaded
     ends = 0  # tiles held back by v_loaded
-    for r in range(rounds(num_items)):
+    r = 0  # items taken
+    item = gl.program_id(0)
+    while item < num_items:
+        publish(items, full, free, item, r)
         head, kv_head, q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, \
             num_tiles, pages, n_pre, pre_start, n_main, post_start = tile_walk(
-                TILE_INFO, BT, stride_bt, WALK_INFO, work_item(r), num_items, HQ, GROUP, N_INFO,
+                TILE_INFO, BT, stride_bt, WALK_INFO, item, num_items, section, HQ, GROUP, N_INFO,
                 BLOCK_N, PAGE, GROUPS)  # fmt: skip
         if num_tiles > 0:
             mbarrier.wait(q_empty, (i - 1) & 1, pred=i > 0)
@@ -326,6 +310,10 @@ def produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_re
                                kv_col, pages, last_page, kv_len, PIECES, BLOCK_N, PAGE)  # fmt: skip
             c += num_tiles
             i += 1
+        item = next_item(DEAL)
+        r += 1
+    publish(items, full, free, item, r)
+    finish(DEAL)
 
 
 @gluon.jit

@@ -7,13 +7,14 @@ previous tile's P @ V. No barrier couples the two consumers: each releases a slo
 its ``empty`` barrier, so one consumer's softmax overlaps the other's MMAs as well. K and V
 slots are released apart: a K slot as soon as its scores are computed, a V slot after the
 deferred P @ V, so that two stages keep the next tile's loads ahead of the MMAs. The launch is
-persistent: one program per SM takes work items (query tile x head) in turn (gluon_parts.
-work_item), and the producer loads an item's Q and first K/V tiles while the consumers finish
-the previous item's last softmax and P @ V and store its rows: on short walks (a sliding
-window, a chunk of a few thousand keys) those loads and stores weigh as much as several key
-tiles; an item's first tile runs Q @ K^T and its softmax alone (no P @ V before it). At d256
-half of Q's columns stay in registers (gluon_parts.q_operand): 1/8 less shared-memory traffic,
-which had bound that head_dim's 64-key tiles.
+persistent: one program per SM takes work items (query tile x head) as it goes (gluon_deal.py:
+dealt at run time, in sections of KV heads whose K/V fit in L2), and the producer loads an
+item's Q and first K/V tiles while the consumers finish the previous item's last softmax and
+P @ V and store its rows: on short walks (a sliding window, a chunk of a few thousand keys)
+those loads and stores weigh as much as several key tiles; an item's first tile runs Q @ K^T
+and its softmax alone (no P @ V before it). At d256 half of Q's columns stay in registers
+(gluon_parts.q_operand): 1/8 less shared-memory traffic, which had bound that head_dim's
+64-key tiles.
 """
 
 from __future__ import annotations
@@ -29,19 +30,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import gluon_parts as parts
+from .gluon_deal import deal_ring, take
 from .gluon_parts import (
     consumer_start,
     last_pv,
     produce,
     q_operand,
     ring_barriers,
-    rounds,
     scores,
     softmax_step,
     store_rows,
     tile_place,
     tile_walk,
-    work_item,
 )
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
@@ -67,16 +67,18 @@ def _tile_scores(t, c, acc, alpha, q, q_a, k_smem, k_ready, s_zero, KT, kv_start
 
 @gluon.jit
 def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-             v_empty, OUT, LSE, LO, HI, QG, KG, KT, TILE_INFO, BT, stride_bt, WALK_INFO, num_items,
-             qk_scale, softcap_log2, stride_ot, stride_oh, HQ: gl.constexpr, GROUP: gl.constexpr,
-             N_INFO: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr,
-             PAGE: gl.constexpr, GROUPS: gl.constexpr, CLAMP: gl.constexpr):  # fmt: skip
-    """Query rows ``PART * 64 ...`` of each of this program's work items in turn: the online
+             v_empty, items, full, free, OUT, LSE, LO, HI, QG, KG, KT, TILE_INFO, BT, stride_bt,
+             WALK_INFO, num_items, section, qk_scale, softcap_log2, stride_ot, stride_oh,
+             HQ: gl.constexpr, GROUP: gl.constexpr, N_INFO: gl.constexpr, HEAD_DIM: gl.constexpr,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
+             RETURN_LSE: gl.constexpr, PAGE: gl.constexpr, GROUPS: gl.constexpr,
+             CLAMP: gl.constexpr):  # fmt: skip
+    """Query rows ``PART * 64 ...`` of each work item the producer hands over: the online
     softmax in the log2 domain (as in kernel._softmax), each tile's P @ V issued one tile late
     so that the next softmax runs under it: an item's first tile has Q @ K^T and softmax alone,
     its last tile's P @ V follows the loop. ``c`` counts the program's key tiles over all its
-    items (the ring's slot and phase), ``i`` its items (Q's phase)."""
+    items (the ring's slot and phase), ``i`` its items with key tiles (Q's phase), ``r`` all
+    (the item ring's)."""
     dtype: gl.constexpr = q_smem.dtype
     q = q_smem.index(PART)
     # Half of Q in registers at d256 (gluon_parts.q_operand); paged and span-group variants,
@@ -84,10 +86,12 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
     Q_SPLIT: gl.constexpr = (HEAD_DIM == 256) & (PAGE == 0) & (not GROUPS)
     c = 0
     i = 0
-    for r in range(rounds(num_items)):
+    r = 0
+    item = take(items, full, free, r, 4)
+    while item < num_items:
         head, kv_head, q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, \
             num_tiles, pages, n_pre, pre_start, n_main, post_start = tile_walk(
-                TILE_INFO, BT, stride_bt, WALK_INFO, work_item(r), num_items, HQ, GROUP, N_INFO,
+                TILE_INFO, BT, stride_bt, WALK_INFO, item, num_items, section, HQ, GROUP, N_INFO,
                 BLOCK_N, PAGE, GROUPS)  # fmt: skip
         row0 = q_row0 + PART * ROWS
         lo, hi, gsel, offs_n, m_i, l_i, alpha, acc, p, s_zero = consumer_start(
@@ -143,13 +147,15 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
                    ROWS, RETURN_LSE)  # fmt: skip
         c += num_tiles
         i += live.to(gl.int32)
+        r += 1
+        item = take(items, full, free, r, 4)
 
 
-@gluon.jit(do_not_specialize=["last_page", "num_items"])  # one compile whatever the cache or step
+@gluon.jit(do_not_specialize=["last_page", "num_items", "section"])  # one compile whatever the step
 def attn_fwd_gluon(
     q_desc, k_desc, v_desc, OUT, LSE, LO, HI, TILE_INFO, stride_ot, stride_oh, qk_scale,
     softcap_log2, q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, BT, stride_bt, last_page,
-    Q_GROUP, K_GROUP, KT_GROUP, WALK_INFO, num_items, HQ: gl.constexpr, GROUP: gl.constexpr,
+    Q_GROUP, K_GROUP, KT_GROUP, WALK_INFO, num_items, DEAL, section, HQ: gl.constexpr, GROUP: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
     RETURN_LSE: gl.constexpr, N_INFO: gl.constexpr, PAGE: gl.constexpr, GROUPS: gl.constexpr,
     CLAMP: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -159,6 +165,7 @@ def attn_fwd_gluon(
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar, q_empty, v_loaded, k_ready, k_empty, v_ready, v_empty = ring_barriers(STAGES)
+    items, full, free = deal_ring()
 
     # The partitions' arguments are written out in place: in Gluon's frontend (triton 3.6) a tuple
     # held in a variable or built by concatenation loses its constexprs, and ``*`` unpacking is
@@ -167,17 +174,19 @@ def attn_fwd_gluon(
     # fmt: off
     gl.warp_specialize(
         [(_consume, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                     OUT, LSE, LO, HI, Q_GROUP, K_GROUP, KT_GROUP, TILE_INFO, BT, stride_bt,
-                     WALK_INFO, num_items, qk_scale, softcap_log2, stride_ot, stride_oh, HQ, GROUP,
-                     N_INFO, HEAD_DIM, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE, PAGE, GROUPS, CLAMP)),
+                     items, full, free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP, KT_GROUP, TILE_INFO, BT,
+                     stride_bt, WALK_INFO, num_items, section, qk_scale, softcap_log2, stride_ot,
+                     stride_oh, HQ, GROUP, N_INFO, HEAD_DIM, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE,
+                     PAGE, GROUPS, CLAMP)),
          (_consume, (1, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                     OUT, LSE, LO, HI, Q_GROUP, K_GROUP, KT_GROUP, TILE_INFO, BT, stride_bt,
-                     WALK_INFO, num_items, qk_scale, softcap_log2, stride_ot, stride_oh, HQ, GROUP,
-                     N_INFO, HEAD_DIM, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE, PAGE, GROUPS, CLAMP)),
+                     items, full, free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP, KT_GROUP, TILE_INFO, BT,
+                     stride_bt, WALK_INFO, num_items, section, qk_scale, softcap_log2, stride_ot,
+                     stride_oh, HQ, GROUP, N_INFO, HEAD_DIM, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE,
+                     PAGE, GROUPS, CLAMP)),
          (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
-                    v_ready, v_empty, v_loaded, TILE_INFO, BT, stride_bt, last_page, WALK_INFO, num_items,
-                    q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, HQ, GROUP, N_INFO, ROWS,
-                    ZERO, ONE, BLOCK_N, STAGES, PAGE, GROUPS))],
+                    v_ready, v_empty, v_loaded, items, full, free, TILE_INFO, BT, stride_bt, last_page,
+                    WALK_INFO, num_items, DEAL, section, q_head_rows, q_head_cols, kv_head_rows,
+                    kv_head_cols, HQ, GROUP, N_INFO, ROWS, ZERO, ONE, BLOCK_N, STAGES, PAGE, GROUPS))],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
     )

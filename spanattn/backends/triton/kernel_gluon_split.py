@@ -7,8 +7,8 @@ and sums, with no further exchange), and each runs P @ V for its columns. The sc
 computed once, where kernel.py's d512 configuration has two programs recompute them (1.5x the
 FLOPs). A warp whose rows' maxima did not move skips the accumulator's rescale (gluon_rescale:
 128 multiplies a thread per 32-key tile; S5 6% faster on the H200). Producer warp, K/V rings,
-deferred P @ V, schedule, interval masks and the work-item loop as in kernel_gluon.py (launched
-one program per item: configs.GLUON_CONFIGS says why).
+deferred P @ V, schedule, interval masks and the persistent launch's run-time deal as in
+kernel_gluon.py.
 """
 
 from __future__ import annotations
@@ -24,20 +24,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import gluon_parts as parts
+from .gluon_compat import partition_barrier
+from .gluon_deal import deal_ring, take
 from .gluon_parts import (
     consumer_start,
     last_pv,
-    partition_barrier,
     produce,
     q_operand,
     ring_barriers,
-    rounds,
     scores,
     softmax_step,
     store_rows,
     tile_place,
     tile_walk,
-    work_item,
 )
 from .gluon_rescale import rescale
 
@@ -47,14 +46,15 @@ ZERO, TWO = gl.constexpr(0), gl.constexpr(2)
 
 @gluon.jit
 def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty, k_ready, k_empty,
-             v_ready, v_empty, x_full, x_free, OUT, LSE, LO, HI, QG, KG, KT, TILE_INFO, BT, stride_bt,
-             WALK_INFO, num_items, qk_scale, softcap_log2, stride_ot, stride_oh, HQ: gl.constexpr,
-             GROUP: gl.constexpr, N_INFO: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr,
-             PAGE: gl.constexpr, GROUPS: gl.constexpr, CLAMP: gl.constexpr):  # fmt: skip
-    """Columns ``PART * HALF ...`` of the 64 query rows of each of this program's work items in
-    turn; ``c`` counts its key tiles over all items (the ring's and the score swap's phases),
-    ``i`` its items (Q's phase)."""
+             v_ready, v_empty, x_full, x_free, items, full, free, OUT, LSE, LO, HI, QG, KG, KT,
+             TILE_INFO, BT, stride_bt, WALK_INFO, num_items, section, qk_scale, softcap_log2,
+             stride_ot, stride_oh, HQ: gl.constexpr, GROUP: gl.constexpr, N_INFO: gl.constexpr,
+             HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             SOFTCAP: gl.constexpr, RETURN_LSE: gl.constexpr, PAGE: gl.constexpr,
+             GROUPS: gl.constexpr, CLAMP: gl.constexpr):  # fmt: skip
+    """Columns ``PART * HALF ...`` of the 64 query rows of each work item the producer hands
+    over; ``c`` counts the program's key tiles over all items (the ring's and the score swap's
+    phases), ``i`` its items with key tiles (Q's phase), ``r`` all (the item ring's)."""
     dtype: gl.constexpr = q_smem.dtype
     q = q_smem.index(PART)
     Q_SPLIT: gl.constexpr = (PAGE == 0) & (not GROUPS)  # as in kernel_gluon._consume
@@ -62,10 +62,12 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
     theirs = x_smem.index(1 - PART)
     c = 0
     i = 0
-    for r in range(rounds(num_items)):
+    r = 0
+    item = take(items, full, free, r, 4)
+    while item < num_items:
         head, kv_head, q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, \
             num_tiles, pages, n_pre, pre_start, n_main, post_start = tile_walk(
-                TILE_INFO, BT, stride_bt, WALK_INFO, work_item(r), num_items, HQ, GROUP, N_INFO,
+                TILE_INFO, BT, stride_bt, WALK_INFO, item, num_items, section, HQ, GROUP, N_INFO,
                 BLOCK_N, PAGE, GROUPS)  # fmt: skip
         lo, hi, gsel, offs_n, m_i, l_i, alpha, acc, p, s_zero = consumer_start(
             LO, HI, QG, q_row0, q_row_last, dtype, ROWS, BLOCK_N, HALF, GROUPS
@@ -121,13 +123,15 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
                    stride_oh, HQ, ROWS, RETURN_LSE and PART == 0)  # fmt: skip
         c += num_tiles
         i += live.to(gl.int32)
+        r += 1
+        item = take(items, full, free, r, 4)
 
 
-@gluon.jit(do_not_specialize=["last_page", "num_items"])  # one compile whatever the cache or step
+@gluon.jit(do_not_specialize=["last_page", "num_items", "section"])  # one compile whatever the step
 def attn_fwd_gluon_split(
     q_desc, k_desc, v_desc, OUT, LSE, LO, HI, TILE_INFO, stride_ot, stride_oh, qk_scale,
     softcap_log2, q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, BT, stride_bt, last_page,
-    Q_GROUP, K_GROUP, KT_GROUP, WALK_INFO, num_items, HQ: gl.constexpr, GROUP: gl.constexpr,
+    Q_GROUP, K_GROUP, KT_GROUP, WALK_INFO, num_items, DEAL, section, HQ: gl.constexpr, GROUP: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
     RETURN_LSE: gl.constexpr, N_INFO: gl.constexpr, PAGE: gl.constexpr, GROUPS: gl.constexpr,
     CLAMP: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -140,6 +144,7 @@ def attn_fwd_gluon_split(
     v_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_N, HALF], v_desc.layout)
     x_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, BLOCK_N], x_layout)
     q_bar, q_empty, v_loaded, k_ready, k_empty, v_ready, v_empty = ring_barriers(STAGES)
+    items, full, free = deal_ring()
     x_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     x_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
@@ -151,19 +156,19 @@ def attn_fwd_gluon_split(
     # fmt: off
     gl.warp_specialize(
         [(_consume, (0, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                     v_empty, x_full, x_free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP, KT_GROUP,
-                     TILE_INFO, BT, stride_bt, WALK_INFO, num_items, qk_scale, softcap_log2,
-                     stride_ot, stride_oh, HQ, GROUP, N_INFO, HALF, BLOCK_N, STAGES, SOFTCAP,
-                     RETURN_LSE, PAGE, GROUPS, CLAMP)),
+                     v_empty, x_full, x_free, items, full, free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP,
+                     KT_GROUP, TILE_INFO, BT, stride_bt, WALK_INFO, num_items, section, qk_scale,
+                     softcap_log2, stride_ot, stride_oh, HQ, GROUP, N_INFO, HALF, BLOCK_N, STAGES,
+                     SOFTCAP, RETURN_LSE, PAGE, GROUPS, CLAMP)),
          (_consume, (1, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                     v_empty, x_full, x_free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP, KT_GROUP,
-                     TILE_INFO, BT, stride_bt, WALK_INFO, num_items, qk_scale, softcap_log2,
-                     stride_ot, stride_oh, HQ, GROUP, N_INFO, HALF, BLOCK_N, STAGES, SOFTCAP,
-                     RETURN_LSE, PAGE, GROUPS, CLAMP)),
+                     v_empty, x_full, x_free, items, full, free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP,
+                     KT_GROUP, TILE_INFO, BT, stride_bt, WALK_INFO, num_items, section, qk_scale,
+                     softcap_log2, stride_ot, stride_oh, HQ, GROUP, N_INFO, HALF, BLOCK_N, STAGES,
+                     SOFTCAP, RETURN_LSE, PAGE, GROUPS, CLAMP)),
          (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
-                    v_ready, v_empty, v_loaded, TILE_INFO, BT, stride_bt, last_page, WALK_INFO, num_items,
-                    q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, HQ, GROUP, N_INFO, ZERO,
-                    HALF, TWO, BLOCK_N, STAGES, PAGE, GROUPS))],
+                    v_ready, v_empty, v_loaded, items, full, free, TILE_INFO, BT, stride_bt, last_page,
+                    WALK_INFO, num_items, DEAL, section, q_head_rows, q_head_cols, kv_head_rows,
+                    kv_head_cols, HQ, GROUP, N_INFO, ZERO, HALF, TWO, BLOCK_N, STAGES, PAGE, GROUPS))],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
     )
