@@ -217,9 +217,9 @@ def test_span_groups(d, page, layer):
 @pytest.mark.parametrize("programs", [1, 3, 7])
 def test_persistent_programs_walk_many_items(d, programs, monkeypatch):
     """A persistent launch on fewer programs than work items (1, 3 or 7 "SMs": every program
-    takes many items, in both directions of the deal, the K/V ring's phases running on across
-    items) gives bit for bit what one program per item gives, with causal, windowed, span-group
-    and paged steps (NaN in unowned slots); and both meet the truth."""
+    takes many items as they are dealt at run time, the K/V ring's and the item ring's phases
+    running on across items) gives bit for bit what one program per item gives, with causal,
+    windowed, span-group and paged steps (NaN in unowned slots); and both meet the truth."""
     from spanattn.backends import triton as tb
     from spanattn.backends.triton import gluon_parts
     from spanattn.backends.triton.configs import pick_gluon
