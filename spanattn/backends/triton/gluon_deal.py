@@ -35,8 +35,9 @@ from triton.runtime import driver
 
 from .gluon_compat import partition_barrier
 
-# One lane of the calling warp adds 1 to the int32 at the address, the others read its old value
-# from it; ``acq_rel``: ordered after this thread's earlier atomics (GPU scope).
+# One lane of the calling warp adds 1 to the int32 at the address; every lane gets the value it
+# held before (shuffled from that lane). _ADD_ACQ_REL: the same, ordered after the lane's
+# earlier atomics (acquire-release, GPU scope).
 _ADD = gl.constexpr(
     "{ .reg .pred p; .reg .b32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; mov.b32 $0, 0; "
     "@p atom.global.add.u32 $0, [$1], 1; shfl.sync.idx.b32 $0, $0, 0, 31, -1; }"
