@@ -81,19 +81,19 @@ def publish(items, full, free, item, r):
     consumers' loops), once the consumers have read round ``r - 2``'s from the same slot."""
     slot = r % 2
     mbarrier.wait(free.index(slot), ((r // 2) - 1) & 1, pred=r >= 2)
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    items.index(slot).store(gl.full([1], item, gl.int32, layout))
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])  # every thread holds it
+    items.index(slot).store(gl.full([1], item, gl.int32, one))
     partition_barrier()
     mbarrier.arrive(full.index(slot))
 
 
 @gluon.jit
-def take(items, full, free, r, WARPS: gl.constexpr):
-    """Consumer (``WARPS`` warps): this program's ``r``-th item, the slot handed back."""
+def take(items, full, free, r):
+    """Consumer: this program's ``r``-th item, the slot handed back."""
     slot = r % 2
     mbarrier.wait(full.index(slot), (r // 2) & 1)
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    item = gl.max(items.index(slot).load(layout), 0)
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    item = gl.max(items.index(slot).load(one), 0)
     partition_barrier()
     mbarrier.arrive(free.index(slot))
     return item

@@ -63,7 +63,7 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
     c = 0
     i = 0
     r = 0
-    item = take(items, full, free, r, 4)
+    item = take(items, full, free, r)
     while item < num_items:
         head, kv_head, q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, \
             num_tiles, pages, n_pre, pre_start, n_main, post_start = tile_walk(
@@ -124,7 +124,7 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
         c += num_tiles
         i += live.to(gl.int32)
         r += 1
-        item = take(items, full, free, r, 4)
+        item = take(items, full, free, r)
 
 
 @gluon.jit(do_not_specialize=["last_page", "num_items", "section"])  # one compile whatever the step
