@@ -24,7 +24,7 @@ import torch
 
 import spanattn as sa
 from spanattn.backends.triton.configs import GLUON_CONFIGS
-from spanattn.backends.triton.gluon_deal import kv_heads_per_section
+from spanattn.backends.triton.gluon_deal import kv_head_bytes, kv_heads_per_section
 from spanattn.backends.triton.schedule import build_schedule
 from spanattn.bench.cases import named_scenarios, parse_case
 from spanattn.scenarios import HKV, HQ
@@ -88,7 +88,7 @@ def main():
     rows = {}
     for case, (sid, d, _) in cases.items():
         tiles, keys = tile_costs(sid, d, args.item_cost, args.scale)
-        section = kv_heads_per_section(HKV, keys * 2 * d * 2, int(args.l2_mb * (1 << 20)))  # bf16 K and V
+        section = kv_heads_per_section(HKV, kv_head_bytes(keys, d, 2), int(args.l2_mb * (1 << 20)))  # bf16
         rows[case] = r = balance(tiles, section, args.sms)
         print(f"{case}: {r['items']} items, {r['items_per_program']:.1f} per program, sections of "
               f"{section} KV heads {r['greedy_over_perfect']:.4f}, schedule order "

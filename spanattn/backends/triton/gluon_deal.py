@@ -120,6 +120,11 @@ def item_place(item, num_items, section, HQ: gl.constexpr, GROUP: gl.constexpr):
     return within // heads, s * heads + within % heads
 
 
+def kv_head_bytes(keys: int, head_dim: int, element_size: int) -> int:
+    """The K and V of one KV head over a step's ``keys``."""
+    return keys * 2 * head_dim * element_size
+
+
 def kv_heads_per_section(hkv: int, kv_bytes_per_head: int, l2_bytes: int) -> int:
     """The most KV heads (a divisor of ``hkv``) whose K and V fit in ``l2_bytes`` together; one
     if a head's alone does not.

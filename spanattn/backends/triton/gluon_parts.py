@@ -36,7 +36,16 @@ from .columns import (
     SEQ,
 )
 from .gluon_compat import partition_barrier, tma_load
-from .gluon_deal import Counters, finish, item_place, kv_heads_per_section, l2_bytes, next_item, publish
+from .gluon_deal import (
+    Counters,
+    finish,
+    item_place,
+    kv_head_bytes,
+    kv_heads_per_section,
+    l2_bytes,
+    next_item,
+    publish,
+)
 from .gluon_rescale import lazy_max
 from .tma_layout import rebased, tma_matrix
 
@@ -113,8 +122,8 @@ class GluonLaunch:
         self.plan_args = (plan.lo, plan.hi, sched.info, *out_strides[:2])
         self.heads_at = heads_at
         self.group_args = (*(groups or (plan.lo,) * 4), items)
-        kv_head_bytes = plan.total_k * 2 * d * k.element_size()  # K and V of one KV head
-        self.section = kv_heads_per_section(k.shape[1], kv_head_bytes, l2_bytes(q.device))
+        head_bytes = kv_head_bytes(plan.total_k, d, k.element_size())
+        self.section = kv_heads_per_section(k.shape[1], head_bytes, l2_bytes(q.device))
         self.counters = Counters(q.device)
         self.seq_lens = plan.seq_lens
         self.launch = DirectLaunch(kernel, (max(programs, 1),), dict(
