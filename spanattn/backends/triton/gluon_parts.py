@@ -372,9 +372,9 @@ def consumer_start(LO, HI, QG, row0, q_row_last, dtype: gl.constexpr, ROWS: gl.c
     """A consumer warpgroup's state before its first key tile, for query rows ``row0 ...`` and
     ``WIDTH`` output columns: the rows' intervals and span groups (``gsel``: the row's group, or
     -2 where it has none, never equal to a key's; ``lo`` when ``GROUPS`` is off), the key offsets
-    of a tile, the running max and
-    sum, the rescale factor, the accumulator, p (zero: the first deferred P @ V adds nothing) and
-    the zero scores Q @ K^T starts from. Scores live in wgmma's ``ROWS x BLOCK_N`` accumulator
+    of a tile, the running max and each thread's share of the row sums (``row_parts``), the
+    rescale factor, the accumulator, p (zero: the first deferred P @ V adds nothing) and the zero
+    scores Q @ K^T starts from. Scores live in wgmma's ``ROWS x BLOCK_N`` accumulator
     layout, the output in its ``ROWS x WIDTH`` one, p as the A operand of P @ V."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
@@ -394,7 +394,7 @@ def consumer_start(LO, HI, QG, row0, q_row_last, dtype: gl.constexpr, ROWS: gl.c
         gsel = gl.where(gq >= 0, gq, -2)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_s)
-    l_i = gl.zeros([ROWS], gl.float32, layout=rows_s)
+    l_i = row_parts(gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout))
     alpha = gl.full([ROWS], 1.0, gl.float32, layout=gl.SliceLayout(1, o_layout))
     acc = gl.zeros([ROWS, WIDTH], gl.float32, layout=o_layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -452,7 +452,7 @@ def softmax_step(s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end,
     """One tile's online-softmax step on raw scores ``s`` of keys ``n ...`` in the log2 domain (as
     kernel._softmax): ``p`` (unnormalized, as the A operand of P @ V: the type and layout of the
     previous ``p``), the factor that rescales what was accumulated before (in ``alpha``'s
-    layout, the output's rows), the new reference max and row sum, and with ``own`` (the rows
+    layout, the output's rows), the new reference max and row sums' shares, and with ``own`` (the rows
     that are the item's, not None) the warps' decision whether their maxima moved (gluon_rescale:
     ``alpha`` is 1 where not; not returned without ``own``). Only tiles outside ``[full_start,
     full_end)`` are masked; the last tile, read shifted back to ``tma_last``, is masked by its
@@ -479,7 +479,8 @@ def softmax_step(s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end,
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     p_f = gl.exp2(s * s_scale - gl.expand_dims(m_use, 1))
     alpha_s = gl.exp2(m_i - m_use)
-    l_i = l_i * alpha_s + gl.sum(p_f, 1)
+    alpha_parts = gl.convert_layout(alpha_s, gl.SliceLayout(1, l_i.type.layout))
+    l_i = l_i * gl.expand_dims(alpha_parts, 1) + row_parts(p_f)
     p = gl.convert_layout(p_f.to(p.dtype), p.type.layout)
     alpha_s = gl.convert_layout(alpha_s, alpha.type.layout)
     if own is None:
@@ -521,20 +522,28 @@ def group_mask(s, n, lo, hi, offs_n, full_start, full_end, tma_last, outside, gs
 
 
 @gluon.jit
+def row_parts(x):
+    """Each thread's share of the row sums of ``x`` (an MMA accumulator layout: a thread holds
+    column pairs 8 apart), ``[rows, 4]`` over the quad's lanes: summed within threads only."""
+    parts = gl.reshape(x, [x.shape[0], x.shape[1] // 8, 4, 2])
+    return gl.sum(gl.sum(parts, 3), 1)
+
+
+@gluon.jit
 def store_rows(acc, m_i, l_i, OUT, LSE, row0, q_row_last, head, col0, stride_ot, stride_oh,
                HQ: gl.constexpr, ROWS: gl.constexpr, WRITE_LSE: gl.constexpr):  # fmt: skip
     """Normalize and store ``acc`` as rows ``row0 ...`` (up to the sequence's last query) and
     columns ``col0 ...`` of the head's output; the rows' LSE (natural log) if asked."""
     o_layout: gl.constexpr = acc.type.layout
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    l_i = gl.convert_layout(gl.sum(l_i, 1), rows_o)  # the row sums' shares added up (row_parts)
     # Every row allows k = q, so l_i > 0 for stored rows.
-    acc = acc / gl.expand_dims(gl.convert_layout(l_i, rows_o), 1)
+    acc = acc / gl.expand_dims(l_i, 1)
     rows = row0 + gl.arange(0, ROWS, layout=rows_o)
     cols = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, o_layout))
     o_rows = gl.expand_dims(rows.to(gl.int64) * stride_ot, 1)
     o_ptrs = OUT + o_rows + head * stride_oh + gl.expand_dims(cols, 0)
     gl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=gl.expand_dims(rows <= q_row_last, 1))
     if WRITE_LSE:
-        rows_l = row0 + gl.arange(0, ROWS, layout=l_i.type.layout)
-        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # ln 2
-        gl.store(LSE + rows_l.to(gl.int64) * HQ + head, lse, mask=rows_l <= q_row_last)
+        lse = (gl.convert_layout(m_i, rows_o) + gl.log2(l_i)) * 0.6931471805599453  # ln 2
+        gl.store(LSE + rows.to(gl.int64) * HQ + head, lse, mask=rows <= q_row_last)
