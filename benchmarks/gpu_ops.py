@@ -3,8 +3,8 @@ in one call (CPU: a smoke run of the same code, tiny steps, graph checks skipped
 
     python benchmarks/gpu_ops.py --out DIR        # writes DIR/<date>-ops-<gpu>.json, ~2 minutes
 
-opcheck: torch.library.opcheck of spanattn::attention / attention_lse (packed and paged, host
-    and device plans, prefill and decode kernels) for triton, and fa4 when it imports, and of
+opcheck: torch.library.opcheck of spanattn::attention / attention_lse (device plans) and their
+    host-plan twins (packed and paged, prefill and decode kernels) for triton, and fa4 when it imports, and of
     spanattn::write_kv_cache.
 compile: torch.compile(fullgraph=True, dynamic=True) with inductor of a function calling
     sa.write_kv_cache and sa.attention (triton, paged) over 20 steps of different lengths, spans
@@ -126,7 +126,9 @@ def check_opcheck(env: Env, report: dict):
                 dp.op_tables, btp, None, dp.op_meta, "triton", None, None)  # fmt: skip
         cases.append((f"triton/device/{kind}", args))
     for name, args in cases:
-        for op in (ops.attention_op, ops.attention_lse_op):
+        # host plans have ops of their own (never recorded in CUDA graphs)
+        pair = (ops.host_attention_op, ops.host_attention_lse_op) if "/host/" in name else None
+        for op in pair or (ops.attention_op, ops.attention_lse_op):
             _record(report, f"opcheck {name} {op._name}", lambda op=op, args=args: _opcheck(op, args))
     slots = torch.tensor([3, -1, 17, 40, 63], device=env.device)
     kn, vn = (env.randn(5, env.hkv, env.d, g=None) for _ in range(2))

@@ -16,8 +16,9 @@ is forward only (autograd reaching one raises).
     values that change every step, so as op constants they would recompile the graph each step,
     and rebuilt from tensors they would cost a device sync and a table build per layer; its
     offsets are views into one upload buffer at offsets that change with the batch, which
-    torch.compile would guard on. CPU tensors keep a graph out of torch's own CUDA graphs,
-    rightly: a host plan is not replayable.
+    torch.compile would guard on. A host plan is not replayable: its steps call
+    ``spanattn::attention_host_plan`` and ``attention_lse_host_plan`` (the same arguments),
+    which torch's CUDA graphs never record (inductor runs them between its graphs).
 
 - ``spanattn::write_kv_cache(k, v, k_cache!, v_cache!, slot_mapping, check_slots)``.
 
@@ -26,7 +27,7 @@ torch.compile traces them; eager calls run the same implementation without the o
 (host time per call).
 """
 
-# torch infers each op's schema from typing.Optional (every supported torch version), not X | None
+# torch infers write_kv_cache's schema from typing.Optional (every supported torch version), not X | None
 # ruff: noqa: UP045
 from typing import Optional
 
@@ -46,74 +47,67 @@ def _plan(lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, tables, handle, plan_met
 
 
 def _forward(args, return_lse: bool):
+    args = (*args, "deferred")[:16]  # an op gets check_pages only where its caller gave it
     q, k, v, *plan_tensors, block_table, handle, meta, backend, scale, softcap, check_pages = args
     plan = _plan(*plan_tensors, handle, meta)
     out, lse = api.run(q, k, v, plan, block_table, backend, scale, softcap, return_lse, check_pages)
     return out.contiguous(), None if lse is None else lse.contiguous()
 
 
-@torch.library.custom_op("spanattn::attention", mutates_args=())
-def attention_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lo: Tensor,
-    hi: Tensor,
-    cu_seqlens_q: Optional[Tensor],
-    cu_seqlens_k: Optional[Tensor],
-    seq_lens: Optional[Tensor],
-    tables: list[Tensor],
-    block_table: Optional[Tensor],
-    handle: Optional[Tensor],
-    plan_meta: str,
-    backend: str,
-    scale: Optional[float],
-    softcap: Optional[float],
-    check_pages: str = "deferred",
-) -> Tensor:
-    return _forward(
-        (q, k, v, lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, tables, block_table, handle, plan_meta,
-         backend, scale, softcap, check_pages), False,
-    )[0]  # fmt: skip
+def _forward_only(name: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"spanattn::{name} is forward only (no backward yet); run it under torch.no_grad() or "
+            "torch.inference_mode(), or detach its inputs"
+        )
+
+    return backward
 
 
-@torch.library.custom_op("spanattn::attention_lse", mutates_args=())
-def attention_lse_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lo: Tensor,
-    hi: Tensor,
-    cu_seqlens_q: Optional[Tensor],
-    cu_seqlens_k: Optional[Tensor],
-    seq_lens: Optional[Tensor],
-    tables: list[Tensor],
-    block_table: Optional[Tensor],
-    handle: Optional[Tensor],
-    plan_meta: str,
-    backend: str,
-    scale: Optional[float],
-    softcap: Optional[float],
-    check_pages: str = "deferred",
-) -> tuple[Tensor, Tensor]:
-    return _forward(
-        (q, k, v, lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, tables, block_table, handle, plan_meta,
-         backend, scale, softcap, check_pages), True,
-    )  # fmt: skip
+# The attention ops' arguments (both plan kinds; see the module docstring).
+_ARGS = (
+    "Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+    "Tensor? seq_lens, Tensor[] tables, Tensor? block_table, Tensor? handle, str plan_meta, str backend, "
+    'float? scale, float? softcap, str check_pages="deferred"'
+)
+# A host plan's step is not replayable: its kernels' arguments (tile tables, lengths, item counts)
+# come from the plan the handle names at call time. Without this tag inductor's graph partitions
+# (on by default in recent torch) would record the op in its CUDA graphs and replay the first step's
+# plan for every later one; tagged, the op runs outside them. Older torch keeps any graph with a
+# CPU input (the handle) out of its CUDA graphs, and has no such tag.
+_NOT_REPLAYABLE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
 def _fake_out(q, v):
     return q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
 
 
-@attention_op.register_fake
-def _(q, k, v, *plan_and_options):
-    return _fake_out(q, v)
-
-
-@attention_lse_op.register_fake
-def _(q, k, v, *plan_and_options):
+def _fake_lse(q, v):
     return _fake_out(q, v), q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+
+
+def _attention_op(name: str, with_lse: bool, tags: tuple = ()):
+    """The op ``spanattn::<name>``: ``out``, or ``(out, lse)``."""
+    returns = "(Tensor, Tensor)" if with_lse else "Tensor"
+
+    def forward(*args):
+        out, lse = _forward(args, with_lse)
+        return (out, lse) if with_lse else out
+
+    op = torch.library.custom_op(
+        f"spanattn::{name}", forward, mutates_args=(), schema=f"({_ARGS}) -> {returns}",
+        **({"tags": tags} if tags else {}),
+    )  # fmt: skip
+    op.register_fake(lambda q, k, v, *plan_and_options: (_fake_lse if with_lse else _fake_out)(q, v))
+    op.register_autograd(_forward_only(name), setup_context=lambda ctx, inputs, output: None)
+    return op
+
+
+# Device plans (replayable: CUDA graphs may record them) and host plans (never recorded).
+attention_op = _attention_op("attention", False)
+attention_lse_op = _attention_op("attention_lse", True)
+host_attention_op = _attention_op("attention_host_plan", False, _NOT_REPLAYABLE)
+host_attention_lse_op = _attention_op("attention_lse_host_plan", True, _NOT_REPLAYABLE)
 
 
 @torch.library.custom_op("spanattn::write_kv_cache", mutates_args=("k_cache", "v_cache"))
@@ -128,26 +122,13 @@ def _(k, v, k_cache, v_cache, slot_mapping, check_slots):
     return None
 
 
-def _forward_only(name: str):
-    def backward(ctx, *grads):
-        raise RuntimeError(
-            f"spanattn::{name} is forward only (no backward yet); run it under torch.no_grad() or "
-            "torch.inference_mode(), or detach its inputs"
-        )
-
-    return backward
-
-
-for _op, _name in ((attention_op, "attention"), (attention_lse_op, "attention_lse")):
-    _op.register_autograd(_forward_only(_name), setup_context=lambda ctx, inputs, output: None)
-
-
 def attention_call(q, k, v, plan, block_table, backend, scale, softcap, return_lse, check_pages=True):
     """:func:`spanattn.attention` while torch.compile traces it: the checks that read only
     tensor shapes, then the op (the rest of the checks run inside it)."""
     api.check_tensors(q, k, v, plan, block_table)
     how = page_check.mode(check_pages)  # a string in the op's schema: "deferred", "sync" or "off"
-    if isinstance(plan, Plan):
+    host = isinstance(plan, Plan)
+    if host:
         lengths, tables, handle, meta = (None, None, None), [], plan.handle, ""
     else:
         lengths = (plan.cu_seqlens_q, plan.cu_seqlens_k, plan.seq_lens)
@@ -155,8 +136,8 @@ def attention_call(q, k, v, plan, block_table, backend, scale, softcap, return_l
     args = (q, k, v, plan.lo, plan.hi, *lengths, tables, block_table, handle, meta, backend, scale, softcap,
             how)  # fmt: skip
     if return_lse:
-        return attention_lse_op(*args)
-    return attention_op(*args)
+        return (host_attention_lse_op if host else attention_lse_op)(*args)
+    return (host_attention_op if host else attention_op)(*args)
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_slots: bool | None = None) -> None:

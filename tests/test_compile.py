@@ -110,3 +110,27 @@ def test_device_plan_with_triton_compiles_once():
             got = compiled(qp, kp, vp, dplan)
         want = fn(q.half(), k.half(), v.half(), plan)
         assert torch.equal(got[: plan.total_q], want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's CUDA graphs")
+def test_host_plans_under_cuda_graphs_follow_each_call():
+    """``mode="reduce-overhead"`` (inductor's CUDA graphs) around steps on host plans: two plans of
+    the same shapes and different masks, called in turn with new inputs, each output equal to the
+    eager call's bit for bit (a recorded step replayed for the other plan would not be), also on
+    Hopper's persistent Gluon kernels (their tile tables and item counters made on first use)."""
+    pytest.importorskip("triton")
+    batch = sa.Batch([sa.Seq(q_len=300, kv_len=700, spans=[(128, 255)]), sa.Seq(q_len=200, kv_len=200)])
+    plans = [sa.plan(batch, layer, device="cuda") for layer in (sa.LayerMask(), LAYER)]
+
+    def step(q, k, v, plan):
+        return sa.attention(q, k, v, plan, backend="triton") * 2  # CUDA work for a graph around the op
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for i in range(6):
+        plan = plans[i % 2]
+        q = torch.randn(plan.total_q, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+        k, v = torch.randn(2, plan.total_k, 2, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+        got = compiled(q, k, v, plan).clone()  # a graph's output is overwritten by its next replay
+        assert torch.equal(got, step(q, k, v, plan)), i

@@ -16,7 +16,8 @@ STEP = sa.Batch(
     [sa.Seq(q_len=5, kv_len=21, spans=[(12, 18)]), sa.Seq(q_len=1, kv_len=9), sa.Seq(3, causal=False)]
 )
 LAYER = sa.LayerMask(window=6, spans="clamp")
-OPS = (ops.attention_op, ops.attention_lse_op)
+OPS = (ops.attention_op, ops.attention_lse_op)  # device plans
+HOST_OPS = (ops.host_attention_op, ops.host_attention_lse_op)
 
 
 def _args(q, k, v, plan, block_table, backend):
@@ -34,9 +35,9 @@ def test_attention_ops_pass_opcheck(backend, paged):
         pytest.importorskip("triton")
     p, q, k, v, kc, vc, bt = paged_step(STEP, LAYER, 2, 1, 16, 16, torch.float16)
     kv = (kc, vc, bt) if paged else (k, v, None)
-    for op in OPS:
+    for op in HOST_OPS:
         torch.library.opcheck(op, _args(q, kv[0], kv[1], p, kv[2], backend))
-    out = ops.attention_op(*_args(q, kv[0], kv[1], p, kv[2], backend))
+    out = ops.host_attention_op(*_args(q, kv[0], kv[1], p, kv[2], backend))
     want = sa.attention(q, kv[0], kv[1], p, block_table=kv[2], backend=backend, scale=0.3)
     assert torch.equal(out, want)
 
@@ -67,9 +68,38 @@ def test_write_kv_cache_op_passes_opcheck():
     torch.library.opcheck(ops.write_kv_cache_op, (k, v, kc, kc.clone(), slots, None))
 
 
-def test_autograd_reaching_an_op_raises():
+@pytest.mark.parametrize("op", OPS + HOST_OPS, ids=lambda op: op._name)
+def test_autograd_reaching_an_op_raises(op):
     p, q, k, v, *_ = paged_step(STEP, LAYER, 2, 1, 16, 16, torch.float32)
     q.requires_grad_(True)
-    out = ops.attention_op(*_args(q, k, v, p, None, "reference"))
-    with pytest.raises(RuntimeError, match="spanattn::attention is forward only"):
+    out = op(*_args(q, k, v, p, None, "reference"))
+    out = out[0] if isinstance(out, tuple) else out
+    with pytest.raises(RuntimeError, match=f"{op._name} is forward only"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_compiled_steps_call_the_op_of_their_plan_kind(return_lse):
+    """A host plan's step goes to the op CUDA graphs never record (its kernels' arguments come
+    from the plan at call time: a replay would repeat the recorded step's), a device plan's to
+    the replayable one."""
+    p, q, k, v, *_ = paged_step(STEP, LAYER, 2, 1, 16, 16, torch.float32)
+    planner = sa.DevicePlanner({"l": LAYER}, max_seqs=3, max_tokens=STEP.total_q, max_kv_len=32, max_spans=3,
+                               max_kv_tokens=STEP.total_k, device=DEV)  # fmt: skip
+    t = lambda x: torch.tensor(x, device=DEV)
+    dp = planner.update(t([5, 1, 3]), t([21, 9, 3]), t([1, 1, 0]), t([[0, 12, 18]]))["l"]
+
+    def ops_called(plan) -> list[str]:
+        graphs = []
+        torch._dynamo.reset()
+        step = torch.compile(lambda *a: sa.attention(*a, backend="reference", return_lse=return_lse),
+                             backend=lambda gm, inputs: graphs.append(gm) or gm, fullgraph=True)  # fmt: skip
+        step(q, k, v, plan)
+        return [str(n.target) for n in graphs[0].graph.nodes if "spanattn" in str(n.target)]
+
+    lse = "_lse" if return_lse else ""
+    assert ops_called(p) == [f"spanattn.attention{lse}_host_plan.default"]
+    assert ops_called(dp) == [f"spanattn.attention{lse}.default"]
+    tagged = hasattr(torch.Tag, "cudagraph_unsafe")
+    assert all((torch.Tag.cudagraph_unsafe in op._opoverload.tags) == tagged for op in HOST_OPS)
+    assert not tagged or all(torch.Tag.cudagraph_unsafe not in op._opoverload.tags for op in OPS)
