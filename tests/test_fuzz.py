@@ -6,7 +6,8 @@ import random
 import torch
 
 import spanattn as sa
-from spanattn.bench.fuzz import MODELS_CPU, fuzz, random_case
+from spanattn.bench import fuzz as fuzz_module
+from spanattn.bench.fuzz import MODELS_CPU, fuzz, merge, random_case
 
 
 def test_random_steps_hold_the_rule_and_isolation():
@@ -32,3 +33,27 @@ def test_the_generator_covers_what_it_promises():
     assert any(c.layer.window == 1 for c in cases)  # windows down to a single key
     assert any(max(s.q_len for s in c.batch.seqs) <= 16 for c in cases)  # decode-shaped steps occur
     assert {c.model[3] for c in cases} == {torch.float32, torch.float16}
+
+
+def test_a_run_split_in_two_runs_the_same_cases(monkeypatch):
+    """``first``: 5 cases from case 0, then 7 from case 5, run what 12 from case 0 run (the GPU run
+    can be spread over calls), each case with its input seed, isolation sample and poison."""
+    ran = []
+    monkeypatch.setattr(
+        fuzz_module, "run_case", lambda case, seed, *rest: ran.append((case.describe(), seed, *rest[3:]))
+    )
+    run_from = lambda first, steps: fuzz(steps, 7, "cpu", [], MODELS_CPU, 300, isolate_every=3, first=first)
+    run_from(0, 12)
+    one, ran[:] = list(ran), []
+    run_from(0, 5), run_from(5, 7)
+    assert ran == one and len({r[1] for r in one}) == 12
+
+
+def test_runs_over_disjoint_cases_merge_into_the_whole_run():
+    """What ``gpu_fuzz.py --workers`` adds up: two runs from cases 0 and 4 give the tallies of one
+    run of all (counts, worst ratio, failures)."""
+    backends = ["reference", "sdpa"]
+    run_from = lambda first, steps: fuzz(
+        steps, 5, "cpu", backends, MODELS_CPU, 120, isolate_every=2, first=first
+    )
+    assert merge([run_from(0, 4), run_from(4, 5)]) == run_from(0, 9)

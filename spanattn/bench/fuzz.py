@@ -150,13 +150,27 @@ class Tally:
     failures: list = field(default_factory=list)
 
 
-def run_case(case: Case, seed: int, device, backends: list[str], tallies: dict, isolate: bool, rng) -> None:
-    """Every backend in ``backends`` on one case, held to the truth; with ``isolate``, one
-    poisoned sequence too."""
+def merge(parts: list[dict]) -> dict:
+    """One :class:`Tally` per backend from runs over disjoint cases (``fuzz`` with ``first``, e.g.
+    in processes of their own): counts added, the worst ratio the worst, failures in order."""
+    merged = {}
+    for tallies in parts:
+        for name, t in tallies.items():
+            m = merged.setdefault(name, Tally())
+            for count in ("steps", "passed", "skipped", "isolation_checks", "isolation_failures"):
+                setattr(m, count, getattr(m, count) + getattr(t, count))
+            m.worst_ratio = max(m.worst_ratio, t.worst_ratio)
+            m.failures += t.failures
+    return merged
+
+
+def run_case(case: Case, seed: int, device, backends: list[str], tallies: dict, isolate: bool, victim: int,
+             poison: str) -> None:  # fmt: skip
+    """Every backend in ``backends`` on one case, held to the truth; with ``isolate``, sequence
+    ``victim`` poisoned with ``POISONS[poison]`` too."""
     d, hq, hkv, dtype, cap = case.model
     p, q, k, v, kc, vc, bt = inputs(case, device, seed)
     truth = Truth(q, k, v, p, softcap=cap)
-    victim, poison = rng.randrange(p.num_seqs), rng.choice(list(POISONS))
     for name in backends:
         t, mod = tallies[name], sa.backends.load(name)
         paged = bt is not None
@@ -203,18 +217,23 @@ def fuzz(
     isolate_every: int = 10,
     log=None,
     max_seconds: float | None = None,
+    first: int = 0,
 ) -> dict:
     """``steps`` random cases (seeded; fewer if ``max_seconds`` runs out first: the tallies say
-    how many ran); returns one :class:`Tally` per backend."""
+    how many ran), from the seed's case number ``first`` on: runs with ``first`` 0 and N and N
+    steps each run what one run of 2N steps would; returns one :class:`Tally` per backend."""
     rng = random.Random(seed)
     tallies = {name: Tally() for name in backends}
     start = time.perf_counter()
-    for i in range(steps):
+    for i in range(first + steps):
+        case = random_case(rng, models, max_tokens)
+        victim, poison = rng.randrange(len(case.batch.seqs)), rng.choice(list(POISONS))
+        if i < first:  # drawn, not run: the later cases stay the seed's
+            continue
         if max_seconds is not None and time.perf_counter() - start > max_seconds:
             break
-        case = random_case(rng, models, max_tokens)
-        run_case(case, seed * 100_000 + i, device, backends, tallies, i % isolate_every == 0, rng)
-        if log and (i + 1) % max(1, steps // 20) == 0:
+        run_case(case, seed * 100_000 + i, device, backends, tallies, i % isolate_every == 0, victim, poison)
+        if log and (i + 1 - first) % max(1, steps // 20) == 0:
             done = (f"{n} {t.passed}/{t.steps} ok, worst {t.worst_ratio:.2f}" for n, t in tallies.items())
-            log(f"{i + 1}/{steps} steps: " + ", ".join(done))
+            log(f"{i + 1 - first}/{steps} steps: " + ", ".join(done))
     return tallies
