@@ -124,16 +124,14 @@ def write_png(path: Path, rows: list[dict]) -> bool:
 def _call(who: str, sid: str, d: int):
     """(the call, its allowed pairs) for one case on the GPU."""
     import torch
-    from short_walks import _builtin, _causal_twin  # this script's folder (sys.path[0])
+    from short_walks import _builtin, _causal_twin, _inputs  # this script's folder (sys.path[0])
 
     import spanattn as sa
     from spanattn.bench.cases import named_scenarios
-    from spanattn.scenarios import HKV, HQ
 
     sc = named_scenarios()[sid]
     p = sa.plan(*(_causal_twin(sc) if who == "fa4" else (sc.batch, sc.layer)), "cuda")
-    q, k, v = (torch.randn(n, h, d, device="cuda", dtype=torch.bfloat16)
-               for n, h in ((p.total_q, HQ), (p.total_k, HKV), (p.total_k, HKV)))  # fmt: skip
+    q, k, v = _inputs(p, d, torch.bfloat16, seed=0)
     if who == "fa4":
         builtin = _builtin(d)
         if builtin is None:

@@ -283,6 +283,7 @@ def test_launch_binds_every_kernel_argument(d, paged, grouped, monkeypatch):
 
     from spanattn.backends.triton import GLUON_KERNELS, _gluon_module, gluon_parts
     from spanattn.backends.triton.configs import pick_gluon
+    from spanattn.backends.triton.gluon_deal import kv_head_bytes
     from spanattn.backends.triton.schedule_triton import tile_schedule
 
     cfg = pick_gluon(d, torch.bfloat16)
@@ -305,7 +306,7 @@ def test_launch_binds_every_kernel_argument(d, paged, grouped, monkeypatch):
     groups = gluon_group_args(p, sched)
     assert (groups is not None) == grouped
     monkeypatch.setattr(gluon_parts, "sm_count", lambda device: 5)
-    monkeypatch.setattr(gluon_parts, "l2_bytes", lambda device: p.total_k * 2 * d * 2)  # one KV head's K/V
+    monkeypatch.setattr(gluon_parts, "l2_bytes", lambda device: kv_head_bytes(p.total_k, d, 2))  # bf16
     out = q.clone()
     for persistent in (False, True):
         launch = module.launch.func(
