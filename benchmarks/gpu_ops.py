@@ -1,5 +1,5 @@
 """The torch ops, torch.compile and one-graph capture of a device-planned step, checked on one GPU
-in one call (CPU: a smoke run of the same code, tiny steps, graph checks skipped).
+in one call (CPU: a smoke run of the same code, tiny steps, triton in its interpreter, graph checks skipped).
 
     python benchmarks/gpu_ops.py --out DIR        # writes DIR/<date>-ops-<gpu>.json, ~2 minutes
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -30,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+if not torch.cuda.is_available():  # the smoke run's triton launches go to Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import spanattn as sa  # noqa: E402
