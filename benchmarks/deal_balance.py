@@ -26,7 +26,7 @@ import spanattn as sa
 from spanattn.backends.triton.configs import GLUON_CONFIGS
 from spanattn.backends.triton.gluon_deal import kv_head_bytes, kv_heads_per_section
 from spanattn.backends.triton.schedule import build_schedule
-from spanattn.bench.cases import named_scenarios, parse_case
+from spanattn.bench.cases import named_scenarios, packed_cases
 from spanattn.scenarios import HKV, HQ
 
 CASES = ("S0-128", "S0-256", "S1-128", "S1-256", "S2-128", "S2-256", "S3-256", "S4-128", "S5-512")
@@ -81,12 +81,9 @@ def main():
     args = ap.parse_args()
     from spanattn.bench.report import environment, result_path
 
-    try:
-        cases = {case: parse_case(case, pages=False) for case in args.cases.split(",")}
-    except ValueError as e:
-        ap.error(str(e))
+    cases = packed_cases(ap, args.cases)
     rows = {}
-    for case, (sid, d, _) in cases.items():
+    for case, (sid, d) in cases.items():
         tiles, keys = tile_costs(sid, d, args.item_cost, args.scale)
         section = kv_heads_per_section(HKV, kv_head_bytes(keys, d, 2), int(args.l2_mb * (1 << 20)))  # bf16
         rows[case] = r = balance(tiles, section, args.sms)

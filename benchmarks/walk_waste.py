@@ -21,7 +21,7 @@ import torch
 import spanattn as sa
 from spanattn.backends.triton.configs import GLUON_CONFIGS
 from spanattn.backends.triton.schedule import build_schedule
-from spanattn.bench.cases import named_scenarios, parse_case
+from spanattn.bench.cases import named_scenarios, packed_cases
 
 CASES = ("S0-128", "S0-256", "S1-128", "S1-256", "S2-128", "S2-256", "S3-256", "S4-128")
 # FA4's tiles on Hopper (its SM90 forward's choice, flash-attn-4 as tools/fa4_bundle.sh pins it):
@@ -80,14 +80,11 @@ def main():
     args = ap.parse_args()
     from spanattn.bench.report import environment, result_path
 
-    try:
-        cases = {case: parse_case(case, pages=False) for case in args.cases.split(",")}
-    except ValueError as e:
-        ap.error(str(e))
-    if bad := [case for case, (_, d, _) in cases.items() if d not in FA4_TILE_N]:
+    cases = packed_cases(ap, args.cases)
+    if bad := [case for case, (_, d) in cases.items() if d not in FA4_TILE_N]:
         ap.error(f"--cases: {', '.join(bad)}: FA4's built-in kernel runs head_dim 128 and 256 here")
     rows = {}
-    for case, (sid, d, _) in cases.items():
+    for case, (sid, d) in cases.items():
         rows[case] = r = case_row(sid, d, args.scale)
         mine, twin = r["triton"], r["fa4_builtin_twin"]
         print(f"{case}: triton {mine['useful']:.3f} of walked pairs allowed "

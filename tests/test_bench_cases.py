@@ -3,9 +3,11 @@ name the bad case before any timing."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from spanattn.bench.cases import named_scenarios, parse_case
+from spanattn.bench.cases import named_scenarios, packed_cases, parse_case
 
 
 def test_cases_name_scenario_head_dim_and_page_size():
@@ -22,3 +24,11 @@ def test_pages_are_refused_where_a_script_has_none():
     assert parse_case("S3-256", pages=False) == ("S3", 256, 0)
     with pytest.raises(ValueError, match=r"'S1-128-p16' is not SCENARIO-HEAD_DIM \(e.g. S3-256\)"):
         parse_case("S1-128-p16", pages=False)
+
+
+def test_packed_cases_parse_a_scripts_list_or_end_the_run_naming_the_bad_one(capsys):
+    ap = argparse.ArgumentParser()
+    assert packed_cases(ap, "S3-256,S4-128") == {"S3-256": ("S3", 256), "S4-128": ("S4", 128)}
+    with pytest.raises(SystemExit):
+        packed_cases(ap, "S3-256,S1-128-p16")
+    assert "'S1-128-p16' is not SCENARIO-HEAD_DIM" in capsys.readouterr().err

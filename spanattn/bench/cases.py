@@ -29,3 +29,12 @@ def parse_case(case: str, pages: bool = True) -> tuple[str, int, int]:
         )
         raise ValueError(f"--cases: {case!r} is not {form}")
     return m[1], int(m[2]), int(m[3] or 0)
+
+
+def packed_cases(ap, text: str) -> dict[str, tuple[str, int]]:
+    """A script's ``--cases`` over packed K/V (``S3-256,S4-128``): case -> (scenario, head_dim);
+    a malformed case ends the run with ``ap``'s error naming it."""
+    try:
+        return {case: parse_case(case, pages=False)[:2] for case in text.split(",")}
+    except ValueError as e:
+        ap.error(str(e))
