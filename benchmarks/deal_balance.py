@@ -39,8 +39,7 @@ def tile_costs(sid: str, d: int, item_cost: float, scale: int = 1) -> tuple[torc
     cfg = GLUON_CONFIGS[d]
     plan = sa.plan(sc.batch, sc.layer, "cpu")
     sched = build_schedule(plan, cfg.block_m, cfg.block_n)
-    keys = (sched.column("kv_end") - sched.column("kv_start")).clamp_min(0).double()
-    return torch.ceil(keys / cfg.block_n) + item_cost, plan.total_k
+    return sched.key_tiles().double() + item_cost, plan.total_k
 
 
 def in_sections(tiles: torch.Tensor, section: int) -> torch.Tensor:

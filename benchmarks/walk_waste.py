@@ -35,8 +35,7 @@ def ours(batch: sa.Batch, layer: sa.LayerMask, d: int) -> dict:
     cfg = GLUON_CONFIGS[d]
     plan = sa.plan(batch, layer, "cpu")
     sched = build_schedule(plan, cfg.block_m, cfg.block_n)
-    keys = (sched.column("kv_end") - sched.column("kv_start")).clamp_min(0)
-    key_tiles = int(torch.ceil(keys / cfg.block_n).sum())
+    key_tiles = int(sched.key_tiles().sum())
     return {
         "allowed": int((plan.hi - plan.lo + 1).clamp_min(0).sum()),
         "walked": key_tiles * cfg.block_m * cfg.block_n,

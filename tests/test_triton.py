@@ -187,6 +187,8 @@ def test_schedule_covers_every_query_once_heaviest_first():
         "q_row0": 73, "q_row_last": 73, "k_row0": 107, "kv_len": 33, "seq": 2,
         "kv_start": 0, "kv_end": 33, "full_start": 0, "full_end": 32,
     }  # fmt: skip
+    key_tiles = s.key_tiles()  # ceil((kv_end - kv_start) / 16): 100 and 33 keys
+    assert key_tiles[0] == 7 and key_tiles[s.column("q_row0") == 73].tolist() == [3]
     assert tile_schedule(p, 16, 16) is tile_schedule(p, 16, 16)  # built once per plan, reused by layers
 
 

@@ -37,6 +37,12 @@ class TileSchedule:
     def column(self, name: str) -> torch.Tensor:
         return self.info[:, INFO.index(name)]
 
+    def key_tiles(self) -> torch.Tensor:
+        """Each tile's interval walk in key tiles: ``[kv_start, kv_end)`` in ``block_n``-key tiles
+        (0 for a tile whose walk is empty)."""
+        keys = (self.column("kv_end") - self.column("kv_start")).clamp_min(0)
+        return (keys + self.block_n - 1) // self.block_n
+
 
 def tile_starts(plan, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Host side, O(tiles): the sequence and first query (in the sequence) of each tile, int64.
