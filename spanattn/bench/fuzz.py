@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -150,6 +150,9 @@ class Tally:
     failures: list = field(default_factory=list)
 
 
+_COUNTS = [f.name for f in fields(Tally) if type(f.default) is int]  # what merge adds up
+
+
 def merge(parts: list[dict]) -> dict:
     """One :class:`Tally` per backend from runs over disjoint cases (``fuzz`` with ``first``, e.g.
     in processes of their own): counts added, the worst ratio the worst, failures in order."""
@@ -157,7 +160,7 @@ def merge(parts: list[dict]) -> dict:
     for tallies in parts:
         for name, t in tallies.items():
             m = merged.setdefault(name, Tally())
-            for count in ("steps", "passed", "skipped", "isolation_checks", "isolation_failures"):
+            for count in _COUNTS:
                 setattr(m, count, getattr(m, count) + getattr(t, count))
             m.worst_ratio = max(m.worst_ratio, t.worst_ratio)
             m.failures += t.failures
