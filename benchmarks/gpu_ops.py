@@ -128,10 +128,9 @@ def check_opcheck(env: Env, report: dict):
         args = (q[: step.total_q], kc, vc, dp.lo, dp.hi, dp.cu_seqlens_q, dp.cu_seqlens_k, dp.seq_lens,
                 dp.op_tables, btp, None, dp.op_meta, "triton", None, None)  # fmt: skip
         cases.append((f"triton/device/{kind}", args))
+    host_ops = (ops.host_attention_op, ops.host_attention_lse_op)  # never recorded in CUDA graphs
     for name, args in cases:
-        # host plans have ops of their own (never recorded in CUDA graphs)
-        pair = (ops.host_attention_op, ops.host_attention_lse_op) if "/host/" in name else None
-        for op in pair or (ops.attention_op, ops.attention_lse_op):
+        for op in host_ops if "/host/" in name else (ops.attention_op, ops.attention_lse_op):
             _record(report, f"opcheck {name} {op._name}", lambda op=op, args=args: _opcheck(op, args))
     slots = torch.tensor([3, -1, 17, 40, 63], device=env.device)
     kn, vn = (env.randn(5, env.hkv, env.d, g=None) for _ in range(2))
