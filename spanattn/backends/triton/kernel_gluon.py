@@ -97,9 +97,9 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
         lo, hi, gsel, offs_n, m_i, l_i, alpha, acc, p, s_zero = consumer_start(
             LO, HI, QG, row0, q_row_last, dtype, ROWS, BLOCK_N, HEAD_DIM, GROUPS
         )
-        # No `if` around an item without key tiles (a device plan's empty tile, or none left for
-        # this program): ptxas serializes every wgmma of a pipeline inside a branch (C7513), so
-        # such an item runs the same code with its barrier steps predicated off (its scores and
+        # No `if` around an item without key tiles (a device plan's empty tile: its rows end
+        # before they start): ptxas serializes every wgmma of a pipeline inside a branch (C7513),
+        # so such an item runs the same code with its barrier steps predicated off (its scores and
         # output are never stored).
         live = num_tiles > 0
         mbarrier.wait(q_bar, i & 1, pred=live)
