@@ -47,7 +47,8 @@ def _plan(lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, tables, handle, plan_met
 
 
 def _forward(args, return_lse: bool):
-    args = (*args, "deferred")[:16]  # an op gets check_pages only where its caller gave it
+    # torch passes the implementation a defaulted argument only where the op's caller gave it
+    args = (*args, _CHECK_PAGES)[:_N_ARGS]
     q, k, v, *plan_tensors, block_table, handle, meta, backend, scale, softcap, check_pages = args
     plan = _plan(*plan_tensors, handle, meta)
     out, lse = api.run(q, k, v, plan, block_table, backend, scale, softcap, return_lse, check_pages)
@@ -65,11 +66,13 @@ def _forward_only(name: str):
 
 
 # The attention ops' arguments (both plan kinds; see the module docstring).
+_CHECK_PAGES = "deferred"
 _ARGS = (
     "Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
     "Tensor? seq_lens, Tensor[] tables, Tensor? block_table, Tensor? handle, str plan_meta, str backend, "
-    'float? scale, float? softcap, str check_pages="deferred"'
+    f'float? scale, float? softcap, str check_pages="{_CHECK_PAGES}"'
 )
+_N_ARGS = _ARGS.count(",") + 1
 # A host plan's step is not replayable: its kernels' arguments (tile tables, lengths, item counts)
 # come from the plan the handle names at call time. Without this tag inductor's graph partitions
 # (on by default in recent torch) would record the op in its CUDA graphs and replay the first step's
