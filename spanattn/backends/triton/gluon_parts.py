@@ -263,7 +263,7 @@ def produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_re
     the next asked for once an item's last loads are issued; each handed to the consumers through
     ``items``, then one past the last, which ends their loops). Per item: its Q, as two boxes
     ``Q_ROW_STEP`` rows / ``Q_COL_STEP`` columns apart, once both consumers are done with the
-    previous item's (so it loads under their last softmax, P @ V and output stores); then K (V)
+    previous item's (so it loads under their last P @ V and output stores); then K (V)
     tile ``t`` of the walk, as ``PIECES`` boxes side by side, into K (V) slot ``c % STAGES`` (``c``
     counts the program's tiles over all its items; shared memory index ``slot * PIECES + piece``)
     as soon as both consumers released the tile that held it before, tiles in the walk's order

@@ -112,8 +112,6 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
         )  # fmt: skip
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
         mbarrier.arrive(k_empty.index(c % STAGES), pred=live)
-        # The item's last Q @ K^T is done: the next item's Q may load under this softmax.
-        mbarrier.arrive(q_empty, pred=num_tiles == 1)
         p, alpha, m_i, l_i = softmax_step(
             s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
             softcap_log2, outside, gsel, KG + tma_row0, ktg, kv_len, None, BLOCK_N, SOFTCAP, GROUPS,
@@ -130,7 +128,6 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
             acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
             mbarrier.arrive(k_empty.index((c + t) % STAGES))
-            mbarrier.arrive(q_empty, pred=t == num_tiles - 1)
             p, alpha, m_i, l_i = softmax_step(
                 s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
                 softcap_log2, outside, gsel, KG + tma_row0, ktg, kv_len, None, BLOCK_N, SOFTCAP,
@@ -140,6 +137,10 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
             # The previous tile's values are read: hand its slot back to the producer.
             mbarrier.arrive(v_empty.index(prev))
 
+        # The item's Q @ K^T are done: the next item's Q may load under the last P @ V and stores.
+        # Released here rather than at the last Q @ K^T in the loop: Gluon puts a barrier of the
+        # warpgroup's threads before each arrive, so a predicated arrive costs one every tile.
+        mbarrier.arrive(q_empty, pred=live)
         last = gl.maximum(c + num_tiles - 1, 0)
         acc = last_pv(acc, alpha, p, v_smem.index(last % STAGES), v_ready, last, STAGES, live)
         mbarrier.arrive(v_empty.index(last % STAGES), pred=live)

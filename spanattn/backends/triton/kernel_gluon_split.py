@@ -92,7 +92,6 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
             acc = warpgroup_mma(p, v_smem.index(2 * prev + PART), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
             mbarrier.arrive(k_empty.index(slot))
-            mbarrier.arrive(q_empty, pred=t == num_tiles - 1)  # as in kernel_gluon._consume
 
             # Swap halves of the scores: ours out once the other consumer has read our last
             # ones, theirs in once written. The partition barriers make all 128 threads'
@@ -115,6 +114,7 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
             mbarrier.arrive(v_empty.index(prev), pred=t > 0)
 
+        mbarrier.arrive(q_empty, pred=live)  # as in kernel_gluon._consume
         last = gl.maximum(c + num_tiles - 1, 0)
         acc = last_pv(acc, alpha, p, v_smem.index(2 * (last % STAGES) + PART), v_ready, last, STAGES, live)
         mbarrier.arrive(v_empty.index(last % STAGES), pred=live)
