@@ -232,29 +232,31 @@ def tile_place(t, KT, kv_start, n_pre, pre_start, n_main, post_start, kv_len, BL
 @gluon.jit
 def ring_barriers(STAGES: gl.constexpr):
     """The mbarriers ``produce`` and the consumers share: Q's ``ready`` (the TMA transaction) and
-    ``empty`` (one arrival per consumer: its last Q @ K^T of the item is done), the held-back
-    last V tile's, and per K (V) slot ``ready`` and ``empty``."""
+    ``empty`` (one arrival per consumer: its item's Q @ K^T are done), the held-back last V
+    tile's, per K (V) slot ``ready``, and per slot ``done``: one arrival per consumer at the end
+    of each key tile ``u`` of the program's walk, on slot ``u % STAGES``'s, saying that tile
+    ``u``'s keys and tile ``u - 1``'s values are read (the consumers read V one tile late). One
+    barrier for both: Gluon puts a barrier of the warpgroup's threads before every arrive, so
+    separate K and V releases cost two such barriers a tile."""
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     v_loaded = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     mbarrier.init(q_empty, count=2)
     mbarrier.init(v_loaded, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
-    return q_bar, q_empty, v_loaded, k_ready, k_empty, v_ready, v_empty
+        mbarrier.init(done.index(i), count=2)
+    return q_bar, q_empty, v_loaded, k_ready, v_ready, done
 
 
 @gluon.jit
-def produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
-            v_ready, v_empty, v_loaded, items, full, free, TILE_INFO, BT, stride_bt, last_page,
+def produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, done,
+            v_loaded, items, full, free, TILE_INFO, BT, stride_bt, last_page,
             WALK_INFO, num_items, DEAL, section, q_head_rows, q_head_cols, kv_head_rows, kv_head_cols,
             HQ: gl.constexpr, GROUP: gl.constexpr, N_INFO: gl.constexpr, Q_ROW_STEP: gl.constexpr,
             Q_COL_STEP: gl.constexpr, PIECES: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -295,11 +297,14 @@ def produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_re
                 slot = (c + t) % STAGES
                 reuse = ((c + t) // STAGES - 1) & 1
                 n = key_tile(t, kv_start, n_pre, pre_start, n_main, post_start, BLOCK_N, GROUPS)
-                mbarrier.wait(k_empty.index(slot), reuse, pred=c + t >= STAGES)
+                # K slot: free once tile c + t - STAGES ended; V slot: once the tile after it ended
+                # (ring_barriers' done).
+                mbarrier.wait(done.index(slot), reuse, pred=c + t >= STAGES)
                 mbarrier.expect(k_ready.index(slot), boxes * k_desc.block_type.nbytes)
                 _load_tile(k_desc, k_ready.index(slot), k_smem, slot, n, kv_row, tma_last, kv_col,
                            pages, last_page, kv_len, PIECES, BLOCK_N, PAGE)  # fmt: skip
-                mbarrier.wait(v_empty.index(slot), reuse, pred=c + t >= STAGES)
+                after = c + t - STAGES + 1
+                mbarrier.wait(done.index(after % STAGES), (after // STAGES) & 1, pred=c + t >= STAGES)
                 past_end = False
                 if PAGE != 0:
                     past_end = n + BLOCK_N > kv_len

@@ -4,9 +4,10 @@ out as FlashAttention-3 does it: a one-warp producer (gluon_parts.produce; packe
 pages of a paged cache) streams K and V tiles by TMA into two rings of ``STAGES`` shared-memory slots, and two
 4-warp consumers (64 query rows each) run their softmax of a tile while the tensor cores do the
 previous tile's P @ V. No barrier couples the two consumers: each releases a slot by arriving on
-its ``empty`` barrier, so one consumer's softmax overlaps the other's MMAs as well. K and V
-slots are released apart: a K slot as soon as its scores are computed, a V slot after the
-deferred P @ V, so that two stages keep the next tile's loads ahead of the MMAs. The launch is
+a barrier of its own, so one consumer's softmax overlaps the other's MMAs as well. A consumer
+releases slots once a tile, after the deferred P @ V: that tile's keys and the previous tile's
+values (gluon_parts.ring_barriers), so that two stages keep the next tile's loads ahead of the
+MMAs with one release, one warpgroup barrier, a tile. The launch is
 persistent: one program per SM takes work items (query tile x head) as it goes (gluon_deal.py:
 dealt at run time, in sections of KV heads whose K/V fit in L2), and the producer loads an
 item's Q and first K/V tiles while the consumers finish the previous item's last softmax and
@@ -66,8 +67,8 @@ def _tile_scores(t, c, acc, alpha, q, q_a, k_smem, k_ready, s_zero, KT, kv_start
 
 
 @gluon.jit
-def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-             v_empty, items, full, free, OUT, LSE, LO, HI, QG, KG, KT, TILE_INFO, BT, stride_bt,
+def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, done,
+             items, full, free, OUT, LSE, LO, HI, QG, KG, KT, TILE_INFO, BT, stride_bt,
              WALK_INFO, num_items, section, qk_scale, softcap_log2, stride_ot, stride_oh,
              HQ: gl.constexpr, GROUP: gl.constexpr, N_INFO: gl.constexpr, HEAD_DIM: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
@@ -111,7 +112,8 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
             pre_start, n_main, post_start, kv_len, live, STAGES, BLOCK_N, GROUPS, Q_SPLIT,
         )  # fmt: skip
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-        mbarrier.arrive(k_empty.index(c % STAGES), pred=live)
+        # Tile c's keys are read (and the last item's last values: gluon_parts.ring_barriers).
+        mbarrier.arrive(done.index(c % STAGES), pred=live)
         p, alpha, m_i, l_i = softmax_step(
             s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
             softcap_log2, outside, gsel, KG + tma_row0, ktg, kv_len, None, BLOCK_N, SOFTCAP, GROUPS,
@@ -127,23 +129,22 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
             mbarrier.wait(v_ready.index(prev), ((c + t - 1) // STAGES) & 1)
             acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
-            mbarrier.arrive(k_empty.index((c + t) % STAGES))
             p, alpha, m_i, l_i = softmax_step(
                 s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
                 softcap_log2, outside, gsel, KG + tma_row0, ktg, kv_len, None, BLOCK_N, SOFTCAP,
                 GROUPS, CLAMP,
             )  # fmt: skip
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            # The previous tile's values are read: hand its slot back to the producer.
-            mbarrier.arrive(v_empty.index(prev))
+            # This tile's keys and the previous tile's values are read: their slots go back.
+            mbarrier.arrive(done.index((c + t) % STAGES))
 
         # The item's Q @ K^T are done: the next item's Q may load under the last P @ V and stores.
         # Released here rather than at the last Q @ K^T in the loop: Gluon puts a barrier of the
         # warpgroup's threads before each arrive, so a predicated arrive costs one every tile.
         mbarrier.arrive(q_empty, pred=live)
         last = gl.maximum(c + num_tiles - 1, 0)
+        # The last values' slot goes back with the next item's first keys' (ring_barriers).
         acc = last_pv(acc, alpha, p, v_smem.index(last % STAGES), v_ready, last, STAGES, live)
-        mbarrier.arrive(v_empty.index(last % STAGES), pred=live)
         store_rows(acc, m_i, l_i, OUT, LSE, row0, q_row_last, head, 0, stride_ot, stride_oh, HQ,
                    ROWS, RETURN_LSE)  # fmt: skip
         c += num_tiles
@@ -165,7 +166,7 @@ def attn_fwd_gluon(
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar, q_empty, v_loaded, k_ready, k_empty, v_ready, v_empty = ring_barriers(STAGES)
+    q_bar, q_empty, v_loaded, k_ready, v_ready, done = ring_barriers(STAGES)
     items, full, free = deal_ring()
 
     # The partitions' arguments are written out in place: in Gluon's frontend (triton 3.6) a tuple
@@ -174,18 +175,18 @@ def attn_fwd_gluon(
     # The producer reads Q as two row halves and K/V tiles as one box each.
     # fmt: off
     gl.warp_specialize(
-        [(_consume, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                     items, full, free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP, KT_GROUP, TILE_INFO, BT,
+        [(_consume, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, done, items,
+                     full, free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP, KT_GROUP, TILE_INFO, BT,
                      stride_bt, WALK_INFO, num_items, section, qk_scale, softcap_log2, stride_ot,
                      stride_oh, HQ, GROUP, N_INFO, HEAD_DIM, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE,
                      PAGE, GROUPS, CLAMP)),
-         (_consume, (1, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                     items, full, free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP, KT_GROUP, TILE_INFO, BT,
+         (_consume, (1, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, done, items,
+                     full, free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP, KT_GROUP, TILE_INFO, BT,
                      stride_bt, WALK_INFO, num_items, section, qk_scale, softcap_log2, stride_ot,
                      stride_oh, HQ, GROUP, N_INFO, HEAD_DIM, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE,
                      PAGE, GROUPS, CLAMP)),
-         (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
-                    v_ready, v_empty, v_loaded, items, full, free, TILE_INFO, BT, stride_bt, last_page,
+         (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+                    done, v_loaded, items, full, free, TILE_INFO, BT, stride_bt, last_page,
                     WALK_INFO, num_items, DEAL, section, q_head_rows, q_head_cols, kv_head_rows,
                     kv_head_cols, HQ, GROUP, N_INFO, ROWS, ZERO, ONE, BLOCK_N, STAGES, PAGE, GROUPS))],
         [4, 1],

@@ -45,8 +45,8 @@ ZERO, TWO = gl.constexpr(0), gl.constexpr(2)
 
 
 @gluon.jit
-def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty, k_ready, k_empty,
-             v_ready, v_empty, x_full, x_free, items, full, free, OUT, LSE, LO, HI, QG, KG, KT,
+def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty, k_ready, v_ready,
+             done, x_full, x_free, items, full, free, OUT, LSE, LO, HI, QG, KG, KT,
              TILE_INFO, BT, stride_bt, WALK_INFO, num_items, section, qk_scale, softcap_log2,
              stride_ot, stride_oh, HQ: gl.constexpr, GROUP: gl.constexpr, N_INFO: gl.constexpr,
              HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -91,7 +91,6 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
             mbarrier.wait(v_ready.index(prev), (before // STAGES) & 1)
             acc = warpgroup_mma(p, v_smem.index(2 * prev + PART), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
-            mbarrier.arrive(k_empty.index(slot))
 
             # Swap halves of the scores: ours out once the other consumer has read our last
             # ones, theirs in once written. The partition barriers make all 128 threads'
@@ -112,12 +111,12 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
             )  # fmt: skip
 
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            mbarrier.arrive(v_empty.index(prev), pred=t > 0)
+            # This tile's keys and the previous tile's values are read (gluon_parts.ring_barriers).
+            mbarrier.arrive(done.index(slot))
 
         mbarrier.arrive(q_empty, pred=live)  # as in kernel_gluon._consume
         last = gl.maximum(c + num_tiles - 1, 0)
         acc = last_pv(acc, alpha, p, v_smem.index(2 * (last % STAGES) + PART), v_ready, last, STAGES, live)
-        mbarrier.arrive(v_empty.index(last % STAGES), pred=live)
         # Both consumers hold the same row maxima and sums: one writes the LSE.
         store_rows(acc, m_i, l_i, OUT, LSE, q_row0, q_row_last, head, PART * HALF, stride_ot,
                    stride_oh, HQ, ROWS, RETURN_LSE and PART == 0)  # fmt: skip
@@ -143,7 +142,7 @@ def attn_fwd_gluon_split(
     k_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_N, HALF], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_N, HALF], v_desc.layout)
     x_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, BLOCK_N], x_layout)
-    q_bar, q_empty, v_loaded, k_ready, k_empty, v_ready, v_empty = ring_barriers(STAGES)
+    q_bar, q_empty, v_loaded, k_ready, v_ready, done = ring_barriers(STAGES)
     items, full, free = deal_ring()
     x_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     x_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -155,18 +154,18 @@ def attn_fwd_gluon_split(
     # two column halves and each K/V tile as two.
     # fmt: off
     gl.warp_specialize(
-        [(_consume, (0, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                     v_empty, x_full, x_free, items, full, free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP,
+        [(_consume, (0, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty, k_ready, v_ready, done,
+                     x_full, x_free, items, full, free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP,
                      KT_GROUP, TILE_INFO, BT, stride_bt, WALK_INFO, num_items, section, qk_scale,
                      softcap_log2, stride_ot, stride_oh, HQ, GROUP, N_INFO, HALF, BLOCK_N, STAGES,
                      SOFTCAP, RETURN_LSE, PAGE, GROUPS, CLAMP)),
-         (_consume, (1, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-                     v_empty, x_full, x_free, items, full, free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP,
+         (_consume, (1, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty, k_ready, v_ready, done,
+                     x_full, x_free, items, full, free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP,
                      KT_GROUP, TILE_INFO, BT, stride_bt, WALK_INFO, num_items, section, qk_scale,
                      softcap_log2, stride_ot, stride_oh, HQ, GROUP, N_INFO, HALF, BLOCK_N, STAGES,
                      SOFTCAP, RETURN_LSE, PAGE, GROUPS, CLAMP)),
-         (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
-                    v_ready, v_empty, v_loaded, items, full, free, TILE_INFO, BT, stride_bt, last_page,
+         (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+                    done, v_loaded, items, full, free, TILE_INFO, BT, stride_bt, last_page,
                     WALK_INFO, num_items, DEAL, section, q_head_rows, q_head_cols, kv_head_rows,
                     kv_head_cols, HQ, GROUP, N_INFO, ZERO, HALF, TWO, BLOCK_N, STAGES, PAGE, GROUPS))],
         [4, 1],
