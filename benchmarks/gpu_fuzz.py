@@ -3,12 +3,13 @@
     python benchmarks/gpu_fuzz.py --backends triton,sdpa,reference --steps 1000 --out results/
     python benchmarks/gpu_fuzz.py --backends fa4,flex --steps 1000 --out results/
     python benchmarks/gpu_fuzz.py --backends triton --steps 500 --first 500 --out results/  # the second half
-    python benchmarks/gpu_fuzz.py --backends triton --steps 1000 --workers 8 --out results/
+    python benchmarks/gpu_fuzz.py --backends triton --steps 1000 --workers 3 --out results/
 
 ``--workers N``: the steps in N slices of the seed's cases, each in a process of its own on the
 same GPU, their tallies added up (the same cases and results as one process: only faster, most
 of a fresh machine's time being the first compiles of the many kernel variants, which the
-processes share through triton's cache).
+processes share through triton's cache). Each process holds its own steps' fp64 truth, up to ~36 GB at
+10k keys: three fit beside each other on a 141 GB GPU, eight do not.
 
 Lengths up to --max-tokens keys per step, head_dim 64-512 (each backend where it runs), GQA
 1/2/4/8, windows 1..N, all span modes, causal and non-causal rows, packed and paged K/V, bf16 and
