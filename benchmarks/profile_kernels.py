@@ -12,7 +12,10 @@ first, then one call profiled), reads the counters back (``ncu -i ... --page raw
 ``<date>-kernel-counters-<gpu>.json`` and a PNG of the tensor pipes' busy share per step.
 Warp-state samples count every resident warp: the Gluon kernels' consumer and producer warps
 and the three warps that only pad the producer's warpgroup (they wait at a barrier, issuing
-nothing). Needs ``ncu`` and a GPU whose counters it may read.
+nothing). ``--source`` adds, per kernel, where those samples sit: the SASS page's samples
+summed by instruction kind (the CTA barrier the padding warps park at apart from a warpgroup's
+own barriers, mbarrier waits, MMA waits) and its most sampled instructions; the page itself is
+written beside the JSON (gzip). Needs ``ncu`` and a GPU whose counters it may read.
 """
 
 from __future__ import annotations
@@ -90,6 +93,71 @@ def summarize(raw_csv: str) -> list[dict]:
         rec["stalls"] = dict(shares)
         out.append(rec)
     return out
+
+
+def _sass_kind(sass: str) -> str:
+    """An instruction's kind for the sample ledger: barriers keep their operands (``BAR.SYNC
+    ... 0x1`` is the CTA barrier, ``0x0, 0x80`` one warpgroup's), mbarrier waits are one kind
+    whatever the barrier, the rest their opcode's first two parts (``HGMMA.64x64x16.F32.BF16`` ->
+    ``HGMMA.64x64x16``)."""
+    words = sass.replace(";", " ").split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    if not words:
+        return "?"
+    op = words[0]
+    if op.startswith("BAR."):
+        return " ".join(words)
+    if op.startswith("SYNCS.PHASECHK"):
+        return "SYNCS.PHASECHK (mbarrier wait)"
+    return ".".join(op.split(".")[:2])
+
+
+def _samples(text: str) -> float:
+    value = _number(text)
+    return value if isinstance(value, float) else 0.0
+
+
+def _kernel_ledger(rows: list[dict], top: int) -> dict:
+    """One kernel's rows of the source page -> its samples by kind and its hottest instructions."""
+    head = list(rows[0]) if rows else []
+    total_col = next((h for h in head if h.startswith("Warp Stall Sampling (All")), None)
+    if total_col is None:
+        return {"samples": 0, "by_kind": {}, "top": []}
+    sass = head[head.index("Address") + 1]  # the SASS text's column, right of its address
+    reasons = {
+        h: h.split("stalled_", 1)[1] for h in head if "stalled_" in h and not h.endswith("_not_issued")
+    }
+    rows = [r for r in rows if _samples(r[total_col]) > 0]
+    total = sum(_samples(r[total_col]) for r in rows) or 1.0
+    kinds: dict[str, float] = {}
+    for r in rows:
+        kinds[_sass_kind(r[sass])] = kinds.get(_sass_kind(r[sass]), 0.0) + _samples(r[total_col]) / total
+    hot = []
+    for r in sorted(rows, key=lambda r: -_samples(r[total_col]))[:top]:
+        n = _samples(r[total_col])
+        why = {name: round(_samples(r[h]) / n, 3) for h, name in reasons.items() if _samples(r[h]) > 0}
+        hot.append(
+            {"address": r["Address"], "sass": r[sass].strip(), "share": round(n / total, 4), "stalls": why}
+        )
+    by_kind = {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]) if v >= 1e-3}
+    return {"samples": int(total), "by_kind": by_kind, "top": hot}
+
+
+def summarize_source(page_csv: str, top: int = 12) -> list[dict]:
+    """ncu's source page (``--page source --print-source sass --csv``: per profiled kernel a header
+    row naming ``Address`` and ``Source``, then a row per SASS instruction) -> per kernel, in
+    profiling order, its warp-state samples by instruction kind (share of the kernel's samples,
+    largest first) and the ``top`` most sampled instructions with their stall reasons' shares
+    where the page lists reasons per instruction."""
+    kernels, head = [], None
+    for row in csv.reader(io.StringIO(page_csv)):
+        if "Address" in row and "Source" in row:
+            head = row
+            kernels.append([])
+        elif head is not None and len(row) == len(head):
+            kernels[-1].append(dict(zip(head, row)))
+    return [_kernel_ledger(rows, top) for rows in kernels]
 
 
 def write_png(path: Path, rows: list[dict]) -> bool:
@@ -171,6 +239,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="folder for <date>-kernel-counters-<gpu>.json")
     ap.add_argument("--cases", default=CASES, help="who:scenario-head_dim, ...")
+    ap.add_argument(
+        "--source", action="store_true", help="also where the warp samples sit, per SASS instruction"
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the profiled process
     args = ap.parse_args()
     try:
@@ -199,6 +270,13 @@ def main():
             raise SystemExit(f"ncu failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
         raw = subprocess.run(["ncu", "-i", f"{rep}.ncu-rep", "--page", "raw", "--csv"],
                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+        page = ""
+        if args.source:
+            got = subprocess.run(["ncu", "-i", f"{rep}.ncu-rep", "--page", "source", "--print-source", "sass",
+                                  "--csv"], capture_output=True, text=True)  # fmt: skip
+            page = got.stdout
+            if got.returncode:
+                print(f"ncu's source page failed (counters kept):\n{got.stderr[-2000:]}", flush=True)
     kernels = summarize(raw)
     if len(kernels) != len(cases):
         raise SystemExit(f"expected one profiled kernel per case, got {len(kernels)} for {len(cases)}")
@@ -211,6 +289,18 @@ def main():
               f"{r['instructions'] / 1e9:.2f} G instructions")  # fmt: skip
     env = environment("cuda")
     path = result_path(args.out, "kernel-counters", env)
+    if page:
+        import gzip
+
+        sources = summarize_source(page)
+        if len(sources) == len(rows):
+            for r, src in zip(rows, sources):
+                r["source"] = src
+        else:
+            print(
+                f"the source page holds {len(sources)} kernels for {len(rows)} cases: not matched", flush=True
+            )
+        path.with_name(path.stem + "-sass.csv.gz").write_bytes(gzip.compress(page.encode()))
     path.write_text(json.dumps({**env, "cases": rows, "notes": __doc__}, indent=1) + "\n")
     print(
         f"wrote {path}"

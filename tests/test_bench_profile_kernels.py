@@ -26,6 +26,45 @@ def test_counters_are_read_per_kernel_with_stall_shares_largest_first():
     assert list(row["stalls"].items()) == [("barrier", 0.6), ("wait", 0.25)]  # no _not_issued, no zeros
 
 
+# Two kernels' SASS pages, as ``ncu -i --page source --print-source sass --csv`` prints them: each
+# after a line naming the kernel, a header with the instruction's address and text, then a row per
+# instruction (the second kernel's page without per-reason columns).
+PAGE = (
+    '"Kernel Name","attn_fwd_gluon"\n'
+    '"#","Address","Source","Warp Stall Sampling (All Samples)","smsp__pcsamp_warps_issue_stalled_barrier",'
+    '"smsp__pcsamp_warps_issue_stalled_barrier_not_issued","smsp__pcsamp_warps_issue_stalled_wait"\n'
+    '"1","0x10","BAR.SYNC.DEFER_BLOCKING 0x1 ;","300","300","300","0"\n'
+    '"2","0x20","@P0 BAR.SYNC.DEFER_BLOCKING 0x0, 0x80 ;","100","80","80","20"\n'
+    '"3","0x30","SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [UR18+0x30130], R24 ;","50","0","0","50"\n'
+    '"4","0x40","SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR11+0x30160], R0 ;","50","0","0","10"\n'
+    '"5","0x50","HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;","500","0","0","0"\n'
+    '"6","0x60","FFMA R1, R2, R3, R4 ;","0","0","0","0"\n'
+    '"Kernel Name","flash_fwd"\n'
+    '"#","Address","Source","Warp Stall Sampling (All Samples)"\n'
+    '"1","0x10","MUFU.EX2 R5, R6 ;","3"\n'
+    '"2","0x20","BAR.SYNC.DEFER_BLOCKING 0x1 ;","1"\n'
+)
+
+
+def test_source_page_samples_are_summed_per_kernel_by_instruction_kind():
+    ours, theirs = load_script("profile_kernels").summarize_source(PAGE, top=2)
+    assert ours["samples"] == 1000
+    assert ours["by_kind"] == {
+        "HGMMA.64x64x16": 0.5,
+        "BAR.SYNC.DEFER_BLOCKING 0x1": 0.3,
+        "BAR.SYNC.DEFER_BLOCKING 0x0, 0x80": 0.1,  # its predicate dropped
+        "SYNCS.PHASECHK (mbarrier wait)": 0.1,  # both barriers' waits together
+    }  # the unsampled FFMA absent
+    assert [(t["address"], t["share"]) for t in ours["top"]] == [("0x50", 0.5), ("0x10", 0.3)]
+    assert ours["top"][1]["stalls"] == {"barrier": 1.0}  # no _not_issued twin, no zeros
+    assert theirs == {
+        "samples": 4,
+        "by_kind": {"MUFU.EX2": 0.75, "BAR.SYNC.DEFER_BLOCKING 0x1": 0.25},
+        "top": [{"address": "0x10", "sass": "MUFU.EX2 R5, R6 ;", "share": 0.75, "stalls": {}},
+                {"address": "0x20", "sass": "BAR.SYNC.DEFER_BLOCKING 0x1 ;", "share": 0.25, "stalls": {}}],
+    }  # fmt: skip
+
+
 def test_case_names_are_checked_before_anything_runs(monkeypatch, tmp_path):
     script = load_script("profile_kernels")
     assert script.parse_case("fa4:S1-256") == ("fa4", "S1", 256)
