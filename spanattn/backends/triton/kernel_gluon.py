@@ -55,8 +55,9 @@ def _tile_scores(t, c, acc, alpha, q, q_a, k_smem, k_ready, s_zero, KT, kv_start
                  GROUPS: gl.constexpr, Q_SPLIT: gl.constexpr):  # fmt: skip
     """Key tile ``t`` of an item's walk (``c``: the program's key tiles before the item): its
     first key, group code and place in the walk (read first: their latency hides under the
-    MMAs), ``acc`` rescaled by ``alpha`` while no MMA is in flight (ptxas would wait for them
-    before reading acc), then Q @ K^T issued once the keys are in."""
+    MMAs), ``acc`` rescaled by ``alpha`` while no MMA is in flight (written after the Q @ K^T
+    issue, even behind a volatile asm, triton 3.6's ptxas moves the multiplies back before it), then
+    Q @ K^T issued once the keys are in."""
     n, ktg, outside = tile_place(
         t, KT, kv_start, n_pre, pre_start, n_main, post_start, kv_len, BLOCK_N, GROUPS
     )
