@@ -74,3 +74,44 @@ def test_case_names_are_checked_before_anything_runs(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "argv", ["profile_kernels.py", "--out", str(tmp_path), "--cases", "triton:S1"])
     with pytest.raises(SystemExit):
         script.main()
+
+
+def test_source_ledger_lands_in_each_case_of_the_json(monkeypatch, tmp_path):
+    """main()'s wiring with ncu and the GPU faked: the counters and the source page's ledger
+    meet in one row per case, and the page itself is kept beside the JSON."""
+    import gzip
+    import json
+    import subprocess
+    import types
+
+    import torch
+
+    import spanattn.bench.report as report
+
+    script = load_script("profile_kernels")
+    one_kernel_page = PAGE.split('"Kernel Name","flash_fwd"')[0]
+    timed = [{"case": "triton:S1-256", "event_ms": 1.3, "allowed_pairs": 10}]
+
+    names = [*script.METRICS.values(), script.SAMPLES]
+    units = {"gpu__time_duration.sum": "us", "dram__bytes_read.sum": "Mbyte"}
+    raw = "\n".join([",".join(names), ",".join(units.get(n, "") for n in names),
+                     ",".join("attn_fwd_gluon" if n == "Kernel Name" else "50" for n in names)])  # fmt: skip
+    out = {"--child": "TIMED " + json.dumps(timed), "raw": raw, "source": one_kernel_page}
+
+    def fake_run(cmd, **kw):
+        stdout = next(v for k, v in out.items() if k in cmd)
+        return types.SimpleNamespace(returncode=0, stderr="", stdout=stdout)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr(script.shutil, "which", lambda name: "/bin/" + name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    env = {"date": "2026-12-02T10:00", "gpu": "NVIDIA H200"}
+    monkeypatch.setattr(report, "environment", lambda device: env)
+    argv = ["profile_kernels.py", "--out", str(tmp_path), "--cases", "triton:S1-256", "--source"]
+    monkeypatch.setattr(sys, "argv", argv)
+    script.main()
+    (row,) = json.loads((tmp_path / "2026-12-02-kernel-counters-h200.json").read_text())["cases"]
+    assert row["case"] == "triton:S1-256" and row["kernel"] == "attn_fwd_gluon"
+    assert row["source"]["samples"] == 1000 and row["source"]["by_kind"]["HGMMA.64x64x16"] == 0.5
+    page = gzip.decompress((tmp_path / "2026-12-02-kernel-counters-h200-sass.csv.gz").read_bytes()).decode()
+    assert page == one_kernel_page
