@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 
-from spanattn.bench.fuzz import MODELS_GPU, fuzz, merge
+from spanattn.bench.fuzz import MODELS_GPU, fuzz, merge, summary
 from spanattn.bench.report import environment, result_path
 
 
@@ -74,8 +74,7 @@ def main():
         pass
     path = result_path(args.out, f"fuzz-{'-'.join(backends)}", res)
     path.write_text(json.dumps(res, indent=1))
-    done = ", ".join(f"{n} {t.passed}/{t.steps} ok, worst {t.worst_ratio:.2f}" for n, t in tallies.items())
-    print(f"[{time.time() - t0:6.1f}s] {done}; wrote {path}", flush=True)
+    print(f"[{time.time() - t0:6.1f}s] {summary(tallies)}; wrote {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -132,7 +132,8 @@ def _kernel_ledger(rows: list[dict], top: int) -> dict:
     total = sum(_samples(r[total_col]) for r in rows) or 1.0
     kinds: dict[str, float] = {}
     for r in rows:
-        kinds[_sass_kind(r[sass])] = kinds.get(_sass_kind(r[sass]), 0.0) + _samples(r[total_col]) / total
+        kind = _sass_kind(r[sass])
+        kinds[kind] = kinds.get(kind, 0.0) + _samples(r[total_col]) / total
     hot = []
     for r in sorted(rows, key=lambda r: -_samples(r[total_col]))[:top]:
         n = _samples(r[total_col])

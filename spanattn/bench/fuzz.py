@@ -237,6 +237,10 @@ def fuzz(
             break
         run_case(case, seed * 100_000 + i, device, backends, tallies, i % isolate_every == 0, victim, poison)
         if log and (i + 1 - first) % max(1, steps // 20) == 0:
-            done = (f"{n} {t.passed}/{t.steps} ok, worst {t.worst_ratio:.2f}" for n, t in tallies.items())
-            log(f"{i + 1 - first}/{steps} steps: " + ", ".join(done))
+            log(f"{i + 1 - first}/{steps} steps: {summary(tallies)}")
     return tallies
+
+
+def summary(tallies: dict) -> str:
+    """One line for a run's progress or end: per backend the steps passed and the worst ratio."""
+    return ", ".join(f"{n} {t.passed}/{t.steps} ok, worst {t.worst_ratio:.2f}" for n, t in tallies.items())
