@@ -535,20 +535,29 @@ def row_parts(x):
 
 
 @gluon.jit
-def store_rows(acc, m_i, l_i, OUT, LSE, row0, q_row_last, head, col0, stride_ot, stride_oh,
-               HQ: gl.constexpr, ROWS: gl.constexpr, WRITE_LSE: gl.constexpr):  # fmt: skip
+def store_rows(acc, m_i, l_i, OUT, LSE, row0, q_row_last, head, col0, stride_ot, stride_oh, HQ: gl.constexpr,
+               ROWS: gl.constexpr, WRITE_LSE: gl.constexpr, WIDE: gl.constexpr):  # fmt: skip
     """Normalize and store ``acc`` as rows ``row0 ...`` (up to the sequence's last query) and
-    columns ``col0 ...`` of the head's output; the rows' LSE (natural log) if asked."""
+    columns ``col0 ...`` of the head's output; the rows' LSE (natural log) if asked. ``WIDE``
+    (256 columns): 8 adjacent columns a thread."""
     o_layout: gl.constexpr = acc.type.layout
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     l_i = gl.convert_layout(gl.sum(l_i, 1), rows_o)  # the row sums' shares added up (row_parts)
     # Every row allows k = q, so l_i > 0 for stored rows.
     acc = acc / gl.expand_dims(l_i, 1)
-    rows = row0 + gl.arange(0, ROWS, layout=rows_o)
-    cols = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, o_layout))
+    out = acc.to(OUT.dtype.element_ty)
+    if WIDE:
+        # 8 adjacent columns a thread (16-byte stores, 16 a thread instead of 64 of 4 bytes, which
+        # filled the store queue at the end of every item of a short walk), each warp keeping its
+        # 16 rows. The conversion goes through 8 KB of shared memory, which d128's tiles lack.
+        st_layout: gl.constexpr = gl.BlockedLayout([2, 8], [8, 4], [4, 1], [1, 0])
+        out = gl.convert_layout(out, st_layout)
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out.type.layout))
+    cols = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, out.type.layout))
     o_rows = gl.expand_dims(rows.to(gl.int64) * stride_ot, 1)
     o_ptrs = OUT + o_rows + head * stride_oh + gl.expand_dims(cols, 0)
-    gl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=gl.expand_dims(rows <= q_row_last, 1))
+    gl.store(o_ptrs, out, mask=gl.expand_dims(rows <= q_row_last, 1))
+    rows = row0 + gl.arange(0, ROWS, layout=rows_o)
     if WRITE_LSE:
         lse = (gl.convert_layout(m_i, rows_o) + gl.log2(l_i)) * 0.6931471805599453  # ln 2
         gl.store(LSE + rows.to(gl.int64) * HQ + head, lse, mask=rows <= q_row_last)
