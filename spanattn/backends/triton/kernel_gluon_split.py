@@ -58,8 +58,6 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
     dtype: gl.constexpr = q_smem.dtype
     q = q_smem.index(PART)
     Q_SPLIT: gl.constexpr = (PAGE == 0) & (not GROUPS)  # as in kernel_gluon._consume
-    mine = x_smem.index(PART)
-    theirs = x_smem.index(1 - PART)
     c = 0
     i = 0
     r = 0
@@ -92,17 +90,19 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
             acc = warpgroup_mma(p, v_smem.index(2 * prev + PART), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
 
-            # Swap halves of the scores: ours out once the other consumer has read our last
-            # ones, theirs in once written. The partition barriers make all 128 threads'
-            # stores (loads) happen before the one thread that arrives signals them.
-            mbarrier.wait(x_free.index(PART), (c + t - 1) & 1, pred=c + t > 0)
-            mine.store(s)
+            # Swap halves of the scores, in the slots of this tile's parity: ours out once the
+            # other consumer has read what we put there two tiles ago, theirs in once written.
+            # The partition barriers make all 128 threads' stores (loads) happen before the one
+            # thread that arrives signals them.
+            x = (c + t) % 2
+            mbarrier.wait(x_free.index(2 * PART + x), ((c + t) // 2 - 1) & 1, pred=c + t > 1)
+            x_smem.index(2 * PART + x).store(s)
             partition_barrier()
-            mbarrier.arrive(x_full.index(PART))
-            mbarrier.wait(x_full.index(1 - PART), (c + t) & 1)
-            s = s + theirs.load(s.type.layout)
+            mbarrier.arrive(x_full.index(2 * PART + x))
+            mbarrier.wait(x_full.index(2 * (1 - PART) + x), ((c + t) // 2) & 1)
+            s = s + x_smem.index(2 * (1 - PART) + x).load(s.type.layout)
             partition_barrier()
-            mbarrier.arrive(x_free.index(1 - PART))
+            mbarrier.arrive(x_free.index(2 * (1 - PART) + x))
 
             p, alpha, m_i, l_i, moved = softmax_step(
                 s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
@@ -142,12 +142,14 @@ def attn_fwd_gluon_split(
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HALF], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_N, HALF], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_N, HALF], v_desc.layout)
-    x_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, BLOCK_N], x_layout)
+    # Each consumer's score halves in two slots, alternating by key tile: one may store a tile's
+    # half before the other has read its previous one.
+    x_smem = gl.allocate_shared_memory(gl.float32, [4, ROWS, BLOCK_N], x_layout)
     q_bar, q_empty, v_loaded, k_ready, v_ready, done = ring_barriers(STAGES)
     items, full, free = deal_ring()
-    x_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    x_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    x_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    x_free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(4):
         mbarrier.init(x_full.index(i), count=1)  # by the consumer that wrote the half
         mbarrier.init(x_free.index(i), count=1)  # by the consumer that read it
 
