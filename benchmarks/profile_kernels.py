@@ -125,9 +125,8 @@ def _kernel_ledger(rows: list[dict], top: int) -> dict:
     if total_col is None:
         return {"samples": 0, "by_kind": {}, "top": []}
     sass = head[head.index("Address") + 1]  # the SASS text's column, right of its address
-    reasons = {
-        h: h.split("stalled_", 1)[1] for h in head if "stalled_" in h and not h.endswith("_not_issued")
-    }
+    # a column per reason (``stall_barrier``) beside its not-issued twin
+    reasons = {h: h[6:] for h in head if h.startswith("stall_") and not h.endswith("(Not Issued)")}
     rows = [r for r in rows if _samples(r[total_col]) > 0]
     total = sum(_samples(r[total_col]) for r in rows) or 1.0
     kinds: dict[str, float] = {}

@@ -27,22 +27,23 @@ def test_counters_are_read_per_kernel_with_stall_shares_largest_first():
 
 
 # Two kernels' SASS pages, as ``ncu -i --page source --print-source sass --csv`` prints them: each
-# after a line naming the kernel, a header with the instruction's address and text, then a row per
-# instruction (the second kernel's page without per-reason columns).
+# after a line naming the kernel, a header with the instruction's address and text, the samples
+# and a column per stall reason with its not-issued twin, then a row per instruction (the second
+# kernel's page without per-reason columns).
 PAGE = (
-    '"Kernel Name","attn_fwd_gluon"\n'
-    '"#","Address","Source","Warp Stall Sampling (All Samples)","smsp__pcsamp_warps_issue_stalled_barrier",'
-    '"smsp__pcsamp_warps_issue_stalled_barrier_not_issued","smsp__pcsamp_warps_issue_stalled_wait"\n'
-    '"1","0x10","BAR.SYNC.DEFER_BLOCKING 0x1 ;","300","300","300","0"\n'
-    '"2","0x20","@P0 BAR.SYNC.DEFER_BLOCKING 0x0, 0x80 ;","100","80","80","20"\n'
-    '"3","0x30","SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [UR18+0x30130], R24 ;","50","0","0","50"\n'
-    '"4","0x40","SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR11+0x30160], R0 ;","50","0","0","10"\n'
-    '"5","0x50","HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;","500","0","0","0"\n'
-    '"6","0x60","FFMA R1, R2, R3, R4 ;","0","0","0","0"\n'
-    '"Kernel Name","flash_fwd"\n'
-    '"#","Address","Source","Warp Stall Sampling (All Samples)"\n'
-    '"1","0x10","MUFU.EX2 R5, R6 ;","3"\n'
-    '"2","0x20","BAR.SYNC.DEFER_BLOCKING 0x1 ;","1"\n'
+    '"Kernel Name","attn_fwd_gluon",\n'
+    '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+    '"stall_barrier","stall_wait","stall_barrier (Not Issued)","stall_wait (Not Issued)"\n'
+    '"0x10","      BAR.SYNC.DEFER_BLOCKING 0x1 ;","300","300","300","0","300","0"\n'
+    '"0x20","@P0 BAR.SYNC.DEFER_BLOCKING 0x0, 0x80 ;","100","100","80","20","80","20"\n'
+    '"0x30","SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [UR18+0x30130], R24 ;","50","50","0","50","0","50"\n'
+    '"0x40","SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR11+0x30160], R0 ;","50","50","0","10","0","10"\n'
+    '"0x50","HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;","500","0","0","0","0","0"\n'
+    '"0x60","FFMA R1, R2, R3, R4 ;","0","0","0","0","0","0"\n'
+    '"Kernel Name","flash_fwd",\n'
+    '"Address","Source","Warp Stall Sampling (All Samples)"\n'
+    '"0x10","MUFU.EX2 R5, R6 ;","3"\n'
+    '"0x20","BAR.SYNC.DEFER_BLOCKING 0x1 ;","1"\n'
 )
 
 
@@ -56,7 +57,7 @@ def test_source_page_samples_are_summed_per_kernel_by_instruction_kind():
         "SYNCS.PHASECHK (mbarrier wait)": 0.1,  # both barriers' waits together
     }  # the unsampled FFMA absent
     assert [(t["address"], t["share"]) for t in ours["top"]] == [("0x50", 0.5), ("0x10", 0.3)]
-    assert ours["top"][1]["stalls"] == {"barrier": 1.0}  # no _not_issued twin, no zeros
+    assert ours["top"][1]["stalls"] == {"barrier": 1.0}  # no not-issued twin, no zeros
     assert theirs == {
         "samples": 4,
         "by_kind": {"MUFU.EX2": 0.75, "BAR.SYNC.DEFER_BLOCKING 0x1": 0.25},
