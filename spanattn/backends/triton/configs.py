@@ -70,7 +70,8 @@ WINDOW_CONFIGS = {
 # 496 -> 618 TFLOP/s, S1 373 -> 405 over the triton kernel: bench-h200-s5 vs s6) and d256 (2
 # stages fit; S0 532 -> 623, S1 389 -> 434: triton-h200-s11-d256-gluon.json), and
 # kernel_gluon_split.py's 64-query tiles split in head_dim at d512 (32-key tiles in 2 stages, 213
-# KB: S5 272 -> 392; 64-key tiles in one stage 315, 16-key in four 288:
+# KB, 230 since the score exchange's two slots: S5 272 -> 392; 64-key tiles in one stage 315,
+# 16-key in four 288:
 # triton-h200-s12-d512-gluon.json; 415 since the rescale skipping of gluon_rescale.py).
 # Persistent launches (one program per SM taking work items) against one program per item,
 # alternating on the H200 (results/2026-12-01-short-walks-*.json): short walks gain (S1
