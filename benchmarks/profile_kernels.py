@@ -127,15 +127,14 @@ def _kernel_ledger(rows: list[dict], top: int) -> dict:
     sass = head[head.index("Address") + 1]  # the SASS text's column, right of its address
     # a column per reason (``stall_barrier``) beside its not-issued twin
     reasons = {h: h[6:] for h in head if h.startswith("stall_") and not h.endswith("(Not Issued)")}
-    rows = [r for r in rows if _samples(r[total_col]) > 0]
-    total = sum(_samples(r[total_col]) for r in rows) or 1.0
+    sampled = [(r, n) for r in rows if (n := _samples(r[total_col])) > 0]
+    total = sum(n for _, n in sampled) or 1.0
     kinds: dict[str, float] = {}
-    for r in rows:
+    for r, n in sampled:
         kind = _sass_kind(r[sass])
-        kinds[kind] = kinds.get(kind, 0.0) + _samples(r[total_col]) / total
+        kinds[kind] = kinds.get(kind, 0.0) + n / total
     hot = []
-    for r in sorted(rows, key=lambda r: -_samples(r[total_col]))[:top]:
-        n = _samples(r[total_col])
+    for r, n in sorted(sampled, key=lambda rn: -rn[1])[:top]:
         why = {name: round(_samples(r[h]) / n, 3) for h, name in reasons.items() if _samples(r[h]) > 0}
         hot.append(
             {"address": r["Address"], "sass": r[sass].strip(), "share": round(n / total, 4), "stalls": why}

@@ -37,7 +37,7 @@ def ours(batch: sa.Batch, layer: sa.LayerMask, d: int) -> dict:
     sched = build_schedule(plan, cfg.block_m, cfg.block_n)
     key_tiles = int(sched.key_tiles().sum())
     return {
-        "allowed": int((plan.hi - plan.lo + 1).clamp_min(0).sum()),
+        "allowed": plan.allowed_pairs(),
         "walked": key_tiles * cfg.block_m * cfg.block_n,
         "key_tiles_per_query_tile": key_tiles / sched.num_tiles,
     }
