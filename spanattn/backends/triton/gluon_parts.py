@@ -557,7 +557,7 @@ def store_rows(acc, m_i, l_i, OUT, LSE, row0, q_row_last, head, col0, stride_ot,
     o_rows = gl.expand_dims(rows.to(gl.int64) * stride_ot, 1)
     o_ptrs = OUT + o_rows + head * stride_oh + gl.expand_dims(cols, 0)
     gl.store(o_ptrs, out, mask=gl.expand_dims(rows <= q_row_last, 1))
-    rows = row0 + gl.arange(0, ROWS, layout=rows_o)
     if WRITE_LSE:
+        lse_rows = row0 + gl.arange(0, ROWS, layout=rows_o)  # in the row sums' layout
         lse = (gl.convert_layout(m_i, rows_o) + gl.log2(l_i)) * 0.6931471805599453  # ln 2
-        gl.store(LSE + rows.to(gl.int64) * HQ + head, lse, mask=rows <= q_row_last)
+        gl.store(LSE + lse_rows.to(gl.int64) * HQ + head, lse, mask=lse_rows <= q_row_last)
