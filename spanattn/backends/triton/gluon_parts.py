@@ -534,24 +534,45 @@ def row_parts(x):
     return gl.sum(gl.sum(parts, 3), 1)
 
 
+@gluon.constexpr_function
+def wide_layout(width, adjacent):
+    """A consumer's ``64 x width`` output over its 4 warps (16 rows each, as wgmma's), ``adjacent``
+    (4 or 8) columns a thread in a lane's registers: wgmma's accumulator layout with lane bits
+    (columns 2, 4) traded for register bits (columns 8, 16)."""
+    lanes = [[0, 8], [0, 4] if adjacent == 4 else [0, 16], [1, 0], [2, 0], [4, 0]]
+    if adjacent == 4:
+        regs = [[0, 1], [0, 2], [8, 0], [0, 16]]
+    else:
+        regs = [[0, 1], [0, 2], [0, 4], [8, 0]]
+    regs += [[0, c] for c in (32, 64, 128) if c < width]
+    return gl.DistributedLinearLayout(regs, lanes, [[16, 0], [32, 0]], [], [64, width])
+
+
 @gluon.jit
 def store_rows(acc, m_i, l_i, OUT, LSE, row0, q_row_last, head, col0, stride_ot, stride_oh, HQ: gl.constexpr,
                ROWS: gl.constexpr, WRITE_LSE: gl.constexpr, WIDE: gl.constexpr):  # fmt: skip
     """Normalize and store ``acc`` as rows ``row0 ...`` (up to the sequence's last query) and
     columns ``col0 ...`` of the head's output; the rows' LSE (natural log) if asked. ``WIDE``
-    (256 columns): 8 adjacent columns a thread."""
+    (128 or 256 columns): 8 adjacent columns a thread."""
     o_layout: gl.constexpr = acc.type.layout
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     l_i = gl.convert_layout(gl.sum(l_i, 1), rows_o)  # the row sums' shares added up (row_parts)
     # Every row allows k = q, so l_i > 0 for stored rows.
     acc = acc / gl.expand_dims(l_i, 1)
     out = acc.to(OUT.dtype.element_ty)
-    if WIDE:
+    if WIDE and acc.shape[1] == 256:
         # 8 adjacent columns a thread (16-byte stores, 16 a thread instead of 64 of 4 bytes, which
         # filled the store queue at the end of every item of a short walk), each warp keeping its
-        # 16 rows. The conversion goes through 8 KB of shared memory, which d128's tiles lack.
+        # 16 rows. The conversion goes through 8 KB of shared memory.
         st_layout: gl.constexpr = gl.BlockedLayout([2, 8], [8, 4], [4, 1], [1, 0])
         out = gl.convert_layout(out, st_layout)
+    elif WIDE:
+        # d128, whose tiles leave no shared memory for that: wgmma's layout with one lane bit
+        # swapped for a register bit, then another (wide_layout), which triton moves through warp
+        # shuffles (16 a thread each; both at once would go through shared memory).
+        four: gl.constexpr = wide_layout(acc.shape[1], 4)
+        eight: gl.constexpr = wide_layout(acc.shape[1], 8)
+        out = gl.convert_layout(gl.convert_layout(out, four), eight)
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out.type.layout))
     cols = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, out.type.layout))
     o_rows = gl.expand_dims(rows.to(gl.int64) * stride_ot, 1)

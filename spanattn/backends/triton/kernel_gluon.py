@@ -147,7 +147,7 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
         # The last values' slot goes back with the next item's first keys' (ring_barriers).
         acc = last_pv(acc, alpha, p, v_smem.index(last % STAGES), v_ready, last, STAGES, live)
         store_rows(acc, m_i, l_i, OUT, LSE, row0, q_row_last, head, 0, stride_ot, stride_oh, HQ,
-                   ROWS, RETURN_LSE, acc.shape[1] == 256)  # fmt: skip
+                   ROWS, RETURN_LSE, True)  # fmt: skip
         c += num_tiles
         i += live.to(gl.int32)
         r += 1
