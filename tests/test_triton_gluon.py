@@ -326,3 +326,22 @@ def test_launch_binds_every_kernel_argument(d, paged, grouped, monkeypatch):
     assert bound.arguments["GROUPS"] == grouped and not bound.arguments["CLAMP"]
     if grouped:
         assert bound.arguments["WALK_INFO"].shape == (sched.num_tiles, 4)
+
+
+def test_a_gluon_module_this_triton_cannot_import_means_no_gluon(monkeypatch):
+    # a release whose Gluon lacks a name the kernels read off a module (gluon.constexpr_function,
+    # say): the plain kernel, no crash
+    import importlib
+
+    from spanattn.backends import triton as tb
+
+    def missing(name):
+        raise AttributeError("module 'triton.experimental.gluon' has no attribute 'constexpr_function'")
+
+    monkeypatch.setattr(importlib, "import_module", missing)
+    tb._gluon_module.cache_clear()
+    try:
+        assert tb._gluon_module("kernel_gluon") is None
+    finally:
+        monkeypatch.undo()
+        tb._gluon_module.cache_clear()

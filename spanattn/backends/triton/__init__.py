@@ -162,7 +162,7 @@ def gluon_runs_on(device, name: str = "kernel_gluon") -> bool:
 def _gluon_module(name: str):
     try:  # triton.experimental.gluon exists from triton 3.4 on
         return importlib.import_module(f"{__name__}.{name}")
-    except ImportError:
+    except (ImportError, AttributeError):  # or a Gluon name moved (gluon.constexpr_function, say)
         return None
 
 
