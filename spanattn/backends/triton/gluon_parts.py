@@ -560,16 +560,12 @@ def store_rows(acc, m_i, l_i, OUT, LSE, row0, q_row_last, head, col0, stride_ot,
     # Every row allows k = q, so l_i > 0 for stored rows.
     acc = acc / gl.expand_dims(l_i, 1)
     out = acc.to(OUT.dtype.element_ty)
-    if WIDE and acc.shape[1] == 256:
-        # 8 adjacent columns a thread (16-byte stores, 16 a thread instead of 64 of 4 bytes, which
-        # filled the store queue at the end of every item of a short walk), each warp keeping its
-        # 16 rows. The conversion goes through 8 KB of shared memory.
-        st_layout: gl.constexpr = gl.BlockedLayout([2, 8], [8, 4], [4, 1], [1, 0])
-        out = gl.convert_layout(out, st_layout)
-    elif WIDE:
-        # d128, whose tiles leave no shared memory for that: wgmma's layout with one lane bit
-        # swapped for a register bit, then another (wide_layout), which triton moves through warp
-        # shuffles (16 a thread each; both at once would go through shared memory).
+    if WIDE:
+        # 8 adjacent columns a thread (16-byte stores instead of 4-byte ones, which filled the store
+        # queue at the end of every item of a short walk): wgmma's layout (a thread's column pairs
+        # 8 apart, lanes 2 and 4 columns apart) with one lane bit swapped for a register bit, then
+        # another. triton moves a one-bit swap through warp shuffles; both at once, through shared
+        # memory (8 KB at d256, which d128's tiles lack).
         four: gl.constexpr = wide_layout(acc.shape[1], 4)
         eight: gl.constexpr = wide_layout(acc.shape[1], 8)
         out = gl.convert_layout(gl.convert_layout(out, four), eight)
