@@ -6,7 +6,11 @@ FlashAttention-4 does on Blackwell, the running maximum a row's exponentials are
 moves only when a tile's scores pass it by more than ``SKIP_LOG2`` (in log2 units): the
 exponentials then stay below ``2^SKIP_LOG2``, which fp32 sums and bf16/fp16 probabilities hold
 with the same relative rounding, and ``alpha`` is exactly 1 for the rows that did not move.
-A warp whose rows all kept their maximum branches past the multiplies.
+A warp whose rows all kept their maximum branches past the multiplies (d512); at d256
+(kernel_gluon, 64-key tiles) the consumer warpgroup skips them when none of its 4 warps moved,
+a branch of the whole warpgroup decided by one cross-warp reduction a tile, off the softmax's
+path (S0 / S2 d256 5.3 / 4.9% less time on the H200; per warp, by the asm branch below, S0
+d256 had gained 0.8% and the short walks lost 2-3%).
 
 The decision is per warp (16 rows) and only counts the item's own rows: rows past a sequence's
 end hold another sequence's queries, and letting them decide would make one request's values

@@ -50,21 +50,51 @@ ZERO, ONE = gl.constexpr(0), gl.constexpr(1)
 
 
 @gluon.jit
-def _tile_scores(t, c, acc, alpha, q, q_a, k_smem, k_ready, s_zero, KT, kv_start, n_pre, pre_start,
-                 n_main, post_start, kv_len, live, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-                 GROUPS: gl.constexpr, Q_SPLIT: gl.constexpr):  # fmt: skip
+def _tile_scores(t, c, acc, alpha, moved, q, q_a, k_smem, k_ready, s_zero, KT, kv_start, n_pre,
+                 pre_start, n_main, post_start, kv_len, live, STAGES: gl.constexpr,
+                 BLOCK_N: gl.constexpr, GROUPS: gl.constexpr, Q_SPLIT: gl.constexpr,
+                 LAZY: gl.constexpr):  # fmt: skip
     """Key tile ``t`` of an item's walk (``c``: the program's key tiles before the item): its
     first key, group code and place in the walk (read first: their latency hides under the
     MMAs), ``acc`` rescaled by ``alpha`` while no MMA is in flight (written after the Q @ K^T
     issue, even behind a volatile asm, triton 3.6's ptxas moves the multiplies back before it), then
-    Q @ K^T issued once the keys are in."""
+    Q @ K^T issued once the keys are in. ``LAZY``: the rescale only if ``moved`` (a warp of the
+    warpgroup moved its rows' maxima: gluon_rescale; elsewhere ``alpha`` is exactly 1)."""
     n, ktg, outside = tile_place(
         t, KT, kv_start, n_pre, pre_start, n_main, post_start, kv_len, BLOCK_N, GROUPS
     )
-    acc = acc * gl.expand_dims(alpha, 1)
+    if LAZY:
+        if moved != 0:
+            acc = acc * gl.expand_dims(alpha, 1)
+    else:
+        acc = acc * gl.expand_dims(alpha, 1)
     slot = (c + t) % STAGES
     mbarrier.wait(k_ready.index(slot), ((c + t) // STAGES) & 1, pred=live)
     return scores(q, q_a, k_smem.index(slot), s_zero, Q_SPLIT), acc, n, ktg, outside
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
+             softcap_log2, outside, gsel, KG, ktg, kv_len, own, BLOCK_N: gl.constexpr,
+             SOFTCAP: gl.constexpr, GROUPS: gl.constexpr, CLAMP: gl.constexpr,
+             LAZY: gl.constexpr):  # fmt: skip
+    """gluon_parts.softmax_step and whether the next tile rescales: with ``LAZY`` the maxima move
+    as gluon_rescale says (per warp, by the item's ``own`` rows) and the rescale happens when
+    any warp of the warpgroup moved (one cross-warp reduction a tile, off the softmax's path);
+    without, always."""
+    if LAZY:
+        p, alpha, m_i, l_i, warps = softmax_step(
+            s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
+            softcap_log2, outside, gsel, KG, ktg, kv_len, own, BLOCK_N, SOFTCAP, GROUPS, CLAMP,
+        )  # fmt: skip
+        moved = gl.max(warps, 0)
+    else:
+        p, alpha, m_i, l_i = softmax_step(
+            s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
+            softcap_log2, outside, gsel, KG, ktg, kv_len, None, BLOCK_N, SOFTCAP, GROUPS, CLAMP,
+        )  # fmt: skip
+        moved = gl.to_tensor(1)
+    return p, alpha, m_i, l_i, moved
 
 
 @gluon.jit
@@ -86,6 +116,7 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
     # Half of Q in registers at d256 (gluon_parts.q_operand); paged and span-group variants,
     # short of registers already, spill 4-8x more with it and keep Q in shared memory.
     Q_SPLIT: gl.constexpr = (HEAD_DIM == 256) & (PAGE == 0) & (not GROUPS)
+    LAZY: gl.constexpr = HEAD_DIM == 256
     c = 0
     i = 0
     r = 0
@@ -104,36 +135,41 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
         # so such an item runs the same code with its barrier steps predicated off (its scores and
         # output are never stored).
         live = num_tiles > 0
+        # The item's own rows (gluon_rescale: only they may move the maxima), and whether a warp
+        # of the warpgroup moved its rows' maxima in the last tile (the rescale before the next).
+        own = row0 + gl.arange(0, ROWS, layout=m_i.type.layout) <= q_row_last
+        moved = gl.to_tensor(0)
         mbarrier.wait(q_bar, i & 1, pred=live)
         q_a = q_operand(q, s_zero, Q_SPLIT)
         # The first key tile: Q @ K^T and softmax alone. In the loop its P @ V (of p = 0) cost
         # half a tile's MMAs per item: without it S1 d128 3.5% and V2 4.4% faster on the H200.
         s, acc, n, ktg, outside = _tile_scores(
-            0, c, acc, alpha, q, q_a, k_smem, k_ready, s_zero, KT + tma_row0, kv_start, n_pre,
-            pre_start, n_main, post_start, kv_len, live, STAGES, BLOCK_N, GROUPS, Q_SPLIT,
+            0, c, acc, alpha, moved, q, q_a, k_smem, k_ready, s_zero, KT + tma_row0, kv_start, n_pre,
+            pre_start, n_main, post_start, kv_len, live, STAGES, BLOCK_N, GROUPS, Q_SPLIT, LAZY,
         )  # fmt: skip
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
         # Tile c's keys are read (and the last item's last values: gluon_parts.ring_barriers).
         mbarrier.arrive(done.index(c % STAGES), pred=live)
-        p, alpha, m_i, l_i = softmax_step(
+        p, alpha, m_i, l_i, moved = _softmax(
             s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
-            softcap_log2, outside, gsel, KG + tma_row0, ktg, kv_len, None, BLOCK_N, SOFTCAP, GROUPS,
-            CLAMP,
+            softcap_log2, outside, gsel, KG + tma_row0, ktg, kv_len, own, BLOCK_N, SOFTCAP, GROUPS,
+            CLAMP, LAZY,
         )  # fmt: skip
         for t in range(1, num_tiles):
             s, acc, n, ktg, outside = _tile_scores(
-                t, c, acc, alpha, q, q_a, k_smem, k_ready, s_zero, KT + tma_row0, kv_start, n_pre,
-                pre_start, n_main, post_start, kv_len, live, STAGES, BLOCK_N, GROUPS, Q_SPLIT,
+                t, c, acc, alpha, moved, q, q_a, k_smem, k_ready, s_zero, KT + tma_row0, kv_start,
+                n_pre, pre_start, n_main, post_start, kv_len, live, STAGES, BLOCK_N, GROUPS, Q_SPLIT,
+                LAZY,
             )  # fmt: skip
             # The previous tile's P @ V, under this tile's softmax.
             prev = (c + t - 1) % STAGES
             mbarrier.wait(v_ready.index(prev), ((c + t - 1) // STAGES) & 1)
             acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
-            p, alpha, m_i, l_i = softmax_step(
+            p, alpha, m_i, l_i, moved = _softmax(
                 s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
-                softcap_log2, outside, gsel, KG + tma_row0, ktg, kv_len, None, BLOCK_N, SOFTCAP,
-                GROUPS, CLAMP,
+                softcap_log2, outside, gsel, KG + tma_row0, ktg, kv_len, own, BLOCK_N, SOFTCAP,
+                GROUPS, CLAMP, LAZY,
             )  # fmt: skip
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
             # This tile's keys and the previous tile's values are read: their slots go back.
