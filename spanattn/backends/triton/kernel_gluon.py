@@ -15,7 +15,8 @@ P @ V and store its rows: on short walks (a sliding window, a chunk of a few tho
 those loads and stores weigh as much as several key tiles; an item's first tile runs Q @ K^T
 and its softmax alone (no P @ V before it). At d256 half of Q's columns stay in registers
 (gluon_parts.q_operand): 1/8 less shared-memory traffic, which had bound that head_dim's
-64-key tiles.
+64-key tiles; and a consumer skips its 128 rescale multiplies a tile while none of its rows'
+maxima moved by more than 2^8 (gluon_rescale).
 """
 
 from __future__ import annotations
