@@ -45,7 +45,7 @@ from spanattn.backends.triton.configs import Config, pick, pick_gluon
 FP_ARGS = ("Q", "K", "V", "K_DESC", "V_DESC", "OUT", "LSE")
 SCALAR_FP = ("qk_scale", "softcap_log2")
 # runtime scalars exempt from specialization (do_not_specialize)
-SCALAR_INT = ("last_page", "num_items", "section")
+SCALAR_INT = ("last_page", "num_items", "section", "halves")
 
 
 def signature() -> dict[str, str]:
@@ -118,9 +118,8 @@ def gluon_stats(cfg: Config, d: int, page: int = 0, groups: str = "") -> dict:
             sig[name] = desc(module.ROWS.value if name == "q_desc" else min(page or cfg.block_n, cfg.block_n))
         else:
             scalar = name.startswith("stride_") or "_head_" in name or name in SCALAR_INT
-            sig[name] = {"OUT": "*bf16", "LSE": "*fp32", "qk_scale": "fp32", "softcap_log2": "fp32"}.get(
-                name, "i32" if scalar else "*i32"
-            )
+            typed = {"OUT": "*bf16", "LSE": "*fp32", "WS": "*fp32", "qk_scale": "fp32"}
+            sig[name] = {**typed, "softcap_log2": "fp32"}.get(name, "i32" if scalar else "*i32")
     const = {
         "HQ": 16, "GROUP": 2, "HEAD_DIM": d, "BLOCK_N": cfg.block_n, "STAGES": cfg.num_stages,
         "SOFTCAP": False, "RETURN_LSE": False, "N_INFO": len(INFO), "PAGE": page,

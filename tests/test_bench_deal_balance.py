@@ -45,6 +45,16 @@ def test_balance_reports_both_orders(script):
     assert got["greedy_over_perfect"] == 1.0 and got["schedule_order_over_perfect"] == 1.0
 
 
+def test_halves_split_the_last_items_walks_and_jitter_is_seeded(script):
+    # the last two items' walks (5 and 2 key tiles past the item cost of 2) in halves, each
+    # half paying the item cost and the merge
+    assert script.with_halves([9.0, 7.0, 4.0], 2, 2.0, 0.5) == [9.0, 5.5, 4.5, 3.5, 3.5]
+    got = script.balance(torch.tensor([4.0, 3, 2, 1]), 1, 8, halve=True, trials=5)
+    assert got["halved_items"] == 4  # 64 items on 8 programs (8 a program): half a round
+    again = script.balance(torch.tensor([4.0, 3, 2, 1]), 1, 8, halve=True, trials=5)
+    assert got == again and got["jittered_over_perfect"] > 1.0 and got["halved_over_perfect"] > 1.0
+
+
 def test_run_writes_its_json(script, monkeypatch, tmp_path):
     argv = ["deal_balance.py", "--out", str(tmp_path), "--cases", "S0-128,S4-128", "--scale", "64"]
     argv += ["--sms", "4", "--l2-mb", "0.25"]
@@ -52,7 +62,7 @@ def test_run_writes_its_json(script, monkeypatch, tmp_path):
     script.main()
     (path,) = tmp_path.glob("*-deal-balance-cpu.json")
     got = json.loads(path.read_text())
-    assert set(got["cases"]) == {"S0-128", "S4-128"} and got["sms"] == 4
+    assert set(got["cases"]) == {"S0-128", "S4-128"} and got["sms"] == 4 and got["trials"] == 40
     s0 = got["cases"]["S0-128"]
     # 512 keys x 2 (K and V) x 128 x 2 bytes = 256 KiB per KV head: one per section
     assert s0["items"] == 64 and s0["kv_heads_per_section"] == 1 and s0["greedy_over_perfect"] >= 1.0

@@ -30,3 +30,5 @@ def test_counters_start_at_zero_and_are_kept():
     first = counters()
     assert first.dtype == torch.int32 and first.tolist() == [0, 0]
     assert counters() is first  # one stream: the same pair every launch
+    with_flags = Counters(torch.device("cpu"), flags=16)()
+    assert with_flags.tolist() == [0] * 18  # the deal's two, then the halved items' warps' flags

@@ -271,13 +271,59 @@ def test_deal_counters_reset_between_launches_and_graph_replays(d, monkeypatch):
         assert torch.equal(out, first)
 
 
+@hopper_only
+@pytest.mark.parametrize("page", [None, 64])
+@pytest.mark.parametrize("layer", ["causal", "W37-clamp"])
+def test_halved_items_store_what_whole_items_would(layer, page, monkeypatch):
+    """A short step's last items walked in halves on two programs (gluon_halves, d128; here 40
+    "SMs": 20 of the 64 items halved, among them 1-tile walks whose second half has no keys)
+    meet the truth, bit for bit alike with one program per deal unit, launch after launch (the
+    flags wrap back to zero; the scratch holds the last launch's rows) and replay after replay
+    of a captured CUDA graph, on causal, windowed and paged (NaN in unowned slots) steps."""
+    from spanattn.backends import triton as tb
+    from spanattn.backends.triton import gluon_parts
+    from spanattn.backends.triton.configs import pick_gluon
+    from spanattn.cache import to_paged
+
+    d = 128
+    one_per_unit = replace(pick_gluon(d, torch.bfloat16), persistent=False)
+    monkeypatch.setattr(gluon_parts, "sm_count", lambda device: 40)
+    p = sa.plan(LONG, LAYERS[layer], device="cuda")
+    q, k, v = (t.cuda() for t in _qkv(p, 8, 2, torch.bfloat16, seed=13, d=d))
+    kc, vc, opts = (k, v, {}) if page is None else to_paged(k, v, p, page, fill=float("nan"))
+    opts = {"block_table": opts} if page is not None else {}
+
+    def run(config=None, out=None):
+        out = torch.full_like(q, float("nan")) if out is None else out
+        return tb.forward(q, kc, vc, p, scale=d**-0.5, return_lse=True, out=out, config=config, **opts)
+
+    out, lse = (x.clone() for x in run())
+    assert_close_to_truth(out, lse, q, k, v, p, scale=d**-0.5)
+    out1, lse1 = run(one_per_unit)
+    assert torch.equal(out, out1) and torch.equal(lse, lse1)
+    for _ in range(2):
+        again, lse2 = run()
+        assert torch.equal(again, out) and torch.equal(lse2, lse)
+    replayed = torch.full_like(q, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(out=replayed)
+    for _ in range(3):
+        replayed.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, out)
+
+
 @pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("grouped", [False, True], ids=["plain", "groups"])
 def test_launch_binds_every_kernel_argument(d, paged, grouped, monkeypatch):
     """The host side of a launch, on any machine: the arguments it passes bind to the kernel's
     signature (none missing, none extra), the grid has one program per SM (persistent, here
-    5 SMs) or one per work item (query tile and head), the deal's counters start at zero and its
+    5 SMs) or one per deal unit (a work item, query tile and head, or at d128 without span
+    groups one half of each of the last 2 = 5 // 2 items' walks), the deal's counters and the
+    halved items' flags start at zero, the scratch buffer holds the halves' partial rows and its
     sections hold the KV heads whose K/V fit in L2."""
     import inspect
 
@@ -312,15 +358,20 @@ def test_launch_binds_every_kernel_argument(d, paged, grouped, monkeypatch):
         launch = module.launch.func(
             Recorder(), *module.launch.args[1:], q, k, v, p, sched, out.stride(), False, False,
             cfg.num_stages, paged=paged, page_size=page, bt_stride=4 if paged else 0, groups=groups,
-            persistent=persistent,
+            persistent=persistent, **module.launch.keywords,
         )  # fmt: skip
         launch(q, k, v, out, None, 0.1, 1.0, table)
     (grid, args, kwargs), (grid_persistent, args_persistent, _) = calls
-    assert grid == (sched.num_tiles * 8, 1, 1) and grid_persistent == (5, 1, 1)
+    halves = 2 if d == 128 and not grouped else 0
+    units = sched.num_tiles * 8 + halves
+    assert grid == (units, 1, 1) and grid_persistent == (5, 1, 1)
     assert len(args) == len(args_persistent) and kwargs.pop("num_warps") == 4  # a launch option
     bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
-    assert bound.arguments["num_items"] == sched.num_tiles * 8
-    assert bound.arguments["DEAL"].dtype == torch.int32 and bound.arguments["DEAL"].tolist() == [0, 0]
+    assert bound.arguments["num_items"] == units and bound.arguments["halves"] == halves
+    deal = bound.arguments["DEAL"]
+    assert deal.dtype == torch.int32 and deal.tolist() == [0, 0] + [0] * 8 * halves  # 8 warps an item
+    scratch = bound.arguments["WS"]
+    assert scratch.dtype == torch.float32 and scratch.numel() == max(halves * 2 * 128 * (d + 2), 1)
     assert bound.arguments["section"] == 1  # of the two KV heads, one fits
     assert bound.arguments["PAGE"] == page and bound.arguments["GROUP"] == 4
     assert bound.arguments["GROUPS"] == grouped and not bound.arguments["CLAMP"]

@@ -15,12 +15,14 @@ atomic's latency hides under them; taken when an item starts, a program would ho
 item for a whole item's time and the last items would wait on busy programs while others idle
 (S0 d256 1.3% slower on the H200: results/2026-12-02-ab-trees-run-time-deal-late-h200.json).
 Which program computes an item changes from run to run; an item's rows are computed by one
-program alone in a fixed order, so outputs stay bit-identical.
+program alone in a fixed order (a halved item's by two, merged in a fixed order), so outputs
+stay bit-identical.
 
 The counter: two int32 in global memory, zero between launches (the next item past the first
 round's, and how many programs have ended); the last program to end sets both back to zero,
 so the next launch (stream order) finds them zero without a memset, also in a CUDA graph. Two
-launches at once must not share one: ``GluonLaunch`` keeps one per stream.
+launches at once must not share one: ``GluonLaunch`` keeps one per stream. The last items of
+the order may be dealt as two halves each (gluon_halves.py): the deal counts units then.
 """
 
 from __future__ import annotations
@@ -141,12 +143,12 @@ def l2_bytes(device) -> int:
     return torch.cuda.get_device_properties(device).L2_cache_size
 
 
-class Counters:
-    """A launch's two int32 counters for the current stream: launches on one stream run one after
-    another and share them; a launch on another stream gets its own."""
+class PerStream:
+    """A tensor per stream (``make()`` on a stream's first launch): launches on one stream run
+    one after another and may share it; a launch on another stream gets its own."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, make):
+        self.device, self.make = device, make
         self.by_stream: dict[int, torch.Tensor] = {}
 
     def __call__(self) -> torch.Tensor:
@@ -157,7 +159,15 @@ class Counters:
             if self.device.type == "cuda"
             else 0
         )
-        counters = self.by_stream.get(stream)
-        if counters is None:
-            counters = self.by_stream[stream] = torch.zeros(2, dtype=torch.int32, device=self.device)
-        return counters
+        kept = self.by_stream.get(stream)
+        if kept is None:
+            kept = self.by_stream[stream] = self.make()
+        return kept
+
+
+class Counters(PerStream):
+    """A launch's two int32 counters for the current stream, then ``flags`` more (gluon_halves:
+    its halved items' warps), all zero between launches."""
+
+    def __init__(self, device: torch.device, flags: int = 0):
+        super().__init__(device, lambda: torch.zeros(2 + flags, dtype=torch.int32, device=device))

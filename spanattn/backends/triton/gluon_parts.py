@@ -46,6 +46,7 @@ from .gluon_deal import (
     next_item,
     publish,
 )
+from .gluon_halves import WARPS_PER_ITEM, Partials, halve_walk, halved_items, partials_numel, unit_item
 from .gluon_rescale import lazy_max
 from .tma_layout import rebased, tma_matrix
 
@@ -95,7 +96,8 @@ class GluonLaunch:
     own), Q read in ``q_rows``-row boxes, K/V tiles in ``pieces`` boxes side by side (of
     ``block_n`` rows, or ``min(page_size, block_n)`` over pages). ``groups``: the plan's span
     groups as (query groups, key groups, key tile groups, the schedule's group walk), see
-    group_walk.py; None without.
+    group_walk.py; None without. ``halve_tail(head_dim)``: does the kernel take the launch's
+    last items in halves at that head_dim (gluon_halves.py; done on steps without span groups)?
 
     Made once per call shape (the tensors given here stand for every later call's: same shapes,
     strides, dtypes, 16-byte alignment; ``out_strides``: their outputs'); each call then
@@ -107,7 +109,8 @@ class GluonLaunch:
 
     def __init__(self, kernel, tile_rows: int, q_rows: int, pieces: int, q, k, v, plan, sched, out_strides,
                  return_lse: bool, softcap: bool, stages: int, paged: bool = False, page_size: int = 0,
-                 bt_stride: int = 0, groups: tuple | None = None, persistent: bool = True):  # fmt: skip
+                 bt_stride: int = 0, groups: tuple | None = None, persistent: bool = True,
+                 halve_tail=lambda head_dim: False):  # fmt: skip
         from .direct_launch import DirectLaunch
 
         assert sched.block_m == tile_rows
@@ -117,14 +120,18 @@ class GluonLaunch:
         self.paged = paged
         self.pages = (bt_stride, k.shape[0] // page_size - 1) if paged else (0, 0)
         items = sched.num_tiles * hq
-        programs = min(items, sm_count(q.device)) if persistent else items
+        # The same items halved with one program per item as with one per SM: the same outputs.
+        self.halves = halved_items(items, sm_count(q.device)) if halve_tail(d) and groups is None else 0
+        units = items + self.halves
+        programs = min(units, sm_count(q.device)) if persistent else units
         # Every argument but the call's tensors and scales, in the kernel's order around them.
         self.plan_args = (plan.lo, plan.hi, sched.info, *out_strides[:2])
         self.heads_at = heads_at
-        self.group_args = (*(groups or (plan.lo,) * 4), items)
+        self.group_args = (*(groups or (plan.lo,) * 4), units)
         head_bytes = kv_head_bytes(plan.total_k, d, k.element_size())
         self.section = kv_heads_per_section(k.shape[1], head_bytes, l2_bytes(q.device))
-        self.counters = Counters(q.device)
+        self.counters = Counters(q.device, flags=WARPS_PER_ITEM.value * self.halves)
+        self.partials = Partials(q.device, partials_numel(self.halves, d))
         self.seq_lens = plan.seq_lens
         self.launch = DirectLaunch(kernel, (max(programs, 1),), dict(
             HQ=hq, GROUP=hq // k.shape[1], HEAD_DIM=d, BLOCK_N=sched.block_n, STAGES=stages,
@@ -139,7 +146,7 @@ class GluonLaunch:
             rebased(bq, q), rebased(bk, k), rebased(bv, v), out, lse if lse is not None else out,
             *self.plan_args, qk_scale, softcap_log2, *self.heads_at,
             block_table if self.paged else self.seq_lens, *self.pages, *self.group_args,
-            self.counters(), self.section,
+            self.counters(), self.section, self.halves, self.partials(),
         )  # fmt: skip
 
 
@@ -149,20 +156,23 @@ def sm_count(device) -> int:
 
 
 @gluon.jit
-def tile_walk(TILE_INFO, BT, stride_bt, WALK_INFO, item, num_items, section, HQ: gl.constexpr,
+def tile_walk(TILE_INFO, BT, stride_bt, WALK_INFO, unit, num_units, section, halves, HQ: gl.constexpr,
               GROUP: gl.constexpr, N_INFO: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
               GROUPS: gl.constexpr):  # fmt: skip
-    """Work item ``item``'s head, its KV head, and its query tile's row of the schedule table
-    (columns.INFO), read in one round: the tile's first and last query rows, its sequence's first
-    key row (packed) and length, the interval walk from ``kv_start`` with FULL tiles in
-    ``[full_start, full_end)``, where the tile across the sequence end starts (``tma_last``:
-    shifted back to end with the sequence on packed K/V, read in place over pages), the
-    sequence's page numbers, and the whole walk: ``num_tiles`` key tiles, of which ``n_pre``
+    """Deal unit ``unit``'s work item's head, its KV head, and its query tile's row of the
+    schedule table (columns.INFO), read in one round: the tile's first and last query rows, its
+    sequence's first key row (packed) and length, the interval walk from ``kv_start`` with FULL
+    tiles in ``[full_start, full_end)``, where the tile across the sequence end starts
+    (``tma_last``: shifted back to end with the sequence on packed K/V, read in place over
+    pages), the sequence's page numbers, and the whole walk: ``num_tiles`` key tiles, of which ``n_pre``
     from ``pre_start`` come first and those after ``n_pre + n_main`` from ``post_start`` (span
     groups, columns.WALK; without, the interval walk alone). No key tiles for a device plan's
     empty tile (its interval walk ends before it starts). Items in sections of ``section`` KV
-    heads (gluon_deal.item_place)."""
-    tile, head = item_place(item, num_items, section, HQ, GROUP)
+    heads (gluon_deal.item_place); the last ``halves`` as two units each, a unit walking one
+    half of the interval walk (gluon_halves: ``half`` 0 or 1, and the halved item's index
+    ``pair``; ``half`` -1 for a whole item; never with span groups)."""
+    item, half, pair = unit_item(unit, num_units, halves)
+    tile, head = item_place(item, num_units - halves, section, HQ, GROUP)
     info = TILE_INFO + tile * N_INFO
     q_row0 = gl.load(info + Q_ROW0)
     q_row_last = gl.load(info + Q_ROW_LAST)
@@ -178,6 +188,8 @@ def tile_walk(TILE_INFO, BT, stride_bt, WALK_INFO, item, num_items, section, HQ:
         tma_last = kv_len
     pages = BT + gl.load(info + SEQ).to(gl.int64) * stride_bt
     n_main = (kv_end - kv_start + BLOCK_N - 1) // BLOCK_N
+    if not GROUPS:
+        kv_start, n_main = halve_walk(kv_start, n_main, half, BLOCK_N)
     n_pre = n_main * 0
     pre_start = n_pre
     post_start = n_pre
@@ -190,7 +202,7 @@ def tile_walk(TILE_INFO, BT, stride_bt, WALK_INFO, item, num_items, section, HQ:
         num_tiles = n_pre + n_main + gl.load(walk_row + POST_TILES)
     num_tiles = gl.where(n_main > 0, num_tiles, 0)
     walk = (q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, num_tiles)
-    return (head, head // GROUP) + walk + (pages, n_pre, pre_start, n_main, post_start)
+    return (head, head // GROUP) + walk + (pages, n_pre, pre_start, n_main, post_start, half, pair)
 
 
 @gluon.jit
@@ -257,9 +269,9 @@ def ring_barriers(STAGES: gl.constexpr):
 @gluon.jit
 def produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, done,
             v_loaded, items, full, free, TILE_INFO, BT, stride_bt, last_page,
-            WALK_INFO, num_items, DEAL, section, q_head_rows, q_head_cols, kv_head_rows, kv_head_cols,
-            HQ: gl.constexpr, GROUP: gl.constexpr, N_INFO: gl.constexpr, Q_ROW_STEP: gl.constexpr,
-            Q_COL_STEP: gl.constexpr, PIECES: gl.constexpr, BLOCK_N: gl.constexpr,
+            WALK_INFO, num_items, DEAL, section, halves, q_head_rows, q_head_cols, kv_head_rows,
+            kv_head_cols, HQ: gl.constexpr, GROUP: gl.constexpr, N_INFO: gl.constexpr,
+            Q_ROW_STEP: gl.constexpr, Q_COL_STEP: gl.constexpr, PIECES: gl.constexpr, BLOCK_N: gl.constexpr,
             STAGES: gl.constexpr, PAGE: gl.constexpr, GROUPS: gl.constexpr):  # fmt: skip
     """The producer warp, over the work items it takes (gluon_deal: the first is the program's number,
     the next asked for once an item's last loads are issued; each handed to the consumers through
@@ -282,9 +294,9 @@ def produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_re
     while item < num_items:
         publish(items, full, free, item, r)
         head, kv_head, q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, \
-            num_tiles, pages, n_pre, pre_start, n_main, post_start = tile_walk(
-                TILE_INFO, BT, stride_bt, WALK_INFO, item, num_items, section, HQ, GROUP, N_INFO,
-                BLOCK_N, PAGE, GROUPS)  # fmt: skip
+            num_tiles, pages, n_pre, pre_start, n_main, post_start, _, _ = tile_walk(
+                TILE_INFO, BT, stride_bt, WALK_INFO, item, num_items, section, halves, HQ, GROUP,
+                N_INFO, BLOCK_N, PAGE, GROUPS)  # fmt: skip
         if num_tiles > 0:
             mbarrier.wait(q_empty, (i - 1) & 1, pred=i > 0)
             mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
@@ -554,11 +566,21 @@ def store_rows(acc, m_i, l_i, OUT, LSE, row0, q_row_last, head, col0, stride_ot,
     """Normalize and store ``acc`` as rows ``row0 ...`` (up to the sequence's last query) and
     columns ``col0 ...`` of the head's output; the rows' LSE (natural log) if asked. ``WIDE``
     (128 or 256 columns): 8 adjacent columns a thread."""
+    rows_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    l_row = gl.convert_layout(gl.sum(l_i, 1), rows_o)  # the row sums' shares added up (row_parts)
+    store_out(acc, gl.convert_layout(m_i, rows_o), l_row, OUT, LSE, row0, q_row_last, None, head, col0,
+              stride_ot, stride_oh, HQ, ROWS, WRITE_LSE, WIDE)  # fmt: skip
+
+
+@gluon.jit
+def store_out(acc, m_row, l_row, OUT, LSE, row0, q_row_last, keep, head, col0, stride_ot, stride_oh,
+              HQ: gl.constexpr, ROWS: gl.constexpr, WRITE_LSE: gl.constexpr, WIDE: gl.constexpr):  # fmt: skip
+    """store_rows with the row maxima and sums given per row (in ``acc``'s row layout), and
+    ``keep`` (per row, in that layout; None: all) limiting the rows stored."""
     o_layout: gl.constexpr = acc.type.layout
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    l_i = gl.convert_layout(gl.sum(l_i, 1), rows_o)  # the row sums' shares added up (row_parts)
-    # Every row allows k = q, so l_i > 0 for stored rows.
-    acc = acc / gl.expand_dims(l_i, 1)
+    # Every row allows k = q, so l_row > 0 for stored rows.
+    acc = acc / gl.expand_dims(l_row, 1)
     out = acc.to(OUT.dtype.element_ty)
     if WIDE:
         # 8 adjacent columns a thread (16-byte stores instead of 4-byte ones, which filled the store
@@ -573,8 +595,14 @@ def store_rows(acc, m_i, l_i, OUT, LSE, row0, q_row_last, head, col0, stride_ot,
     cols = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, out.type.layout))
     o_rows = gl.expand_dims(rows.to(gl.int64) * stride_ot, 1)
     o_ptrs = OUT + o_rows + head * stride_oh + gl.expand_dims(cols, 0)
-    gl.store(o_ptrs, out, mask=gl.expand_dims(rows <= q_row_last, 1))
+    lse_rows = row0 + gl.arange(0, ROWS, layout=rows_o)  # in the row sums' layout
+    stored = rows <= q_row_last
+    lse_stored = lse_rows <= q_row_last
+    if keep is not None:
+        # the same rows of the same warps in both layouts (wide_layout only moves columns)
+        stored = stored & gl.convert_layout(keep, stored.type.layout)
+        lse_stored = lse_stored & keep
+    gl.store(o_ptrs, out, mask=gl.expand_dims(stored, 1))
     if WRITE_LSE:
-        lse_rows = row0 + gl.arange(0, ROWS, layout=rows_o)  # in the row sums' layout
-        lse = (gl.convert_layout(m_i, rows_o) + gl.log2(l_i)) * 0.6931471805599453  # ln 2
-        gl.store(LSE + lse_rows.to(gl.int64) * HQ + head, lse, mask=lse_rows <= q_row_last)
+        lse = (m_row + gl.log2(l_row)) * 0.6931471805599453  # ln 2
+        gl.store(LSE + lse_rows.to(gl.int64) * HQ + head, lse, mask=lse_stored)

@@ -16,7 +16,8 @@ those loads and stores weigh as much as several key tiles; an item's first tile 
 and its softmax alone (no P @ V before it). At d256 half of Q's columns stay in registers
 (gluon_parts.q_operand): 1/8 less shared-memory traffic, which had bound that head_dim's
 64-key tiles; and a consumer skips its 128 rescale multiplies a tile while none of its rows'
-maxima moved by more than 2^8 (gluon_rescale).
+maxima moved by more than 2^8 (gluon_rescale). At d128 a short step's last items run as two
+halves of their walks on two programs, merged by the half that ends second (gluon_halves).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import gluon_parts as parts
 from .gluon_deal import deal_ring, take
+from .gluon_halves import merge_halves
 from .gluon_parts import (
     consumer_start,
     last_pv,
@@ -41,6 +43,7 @@ from .gluon_parts import (
     ring_barriers,
     scores,
     softmax_step,
+    store_out,
     store_rows,
     tile_place,
     tile_walk,
@@ -48,6 +51,12 @@ from .gluon_parts import (
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
 ZERO, ONE = gl.constexpr(0), gl.constexpr(1)
+
+
+@gluon.constexpr_function
+def halves_tail(head_dim) -> bool:
+    """Does a launch at ``head_dim`` take its last items in halves (gluon_halves)?"""
+    return head_dim == 128
 
 
 @gluon.jit
@@ -101,7 +110,7 @@ def _softmax(s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end, tma
 @gluon.jit
 def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, done,
              items, full, free, OUT, LSE, LO, HI, QG, KG, KT, TILE_INFO, BT, stride_bt,
-             WALK_INFO, num_items, section, qk_scale, softcap_log2, stride_ot, stride_oh,
+             WALK_INFO, num_items, section, halves, WS, FLAGS, qk_scale, softcap_log2, stride_ot, stride_oh,
              HQ: gl.constexpr, GROUP: gl.constexpr, N_INFO: gl.constexpr, HEAD_DIM: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
              RETURN_LSE: gl.constexpr, PAGE: gl.constexpr, GROUPS: gl.constexpr,
@@ -118,15 +127,18 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
     # short of registers already, spill 4-8x more with it and keep Q in shared memory.
     Q_SPLIT: gl.constexpr = (HEAD_DIM == 256) & (PAGE == 0) & (not GROUPS)
     LAZY: gl.constexpr = HEAD_DIM == 256
+    # Halved items at d128 only: holding the other half's 64 x 256 accumulator beside its own
+    # made d256 spill 3.4 KB a thread (and its short steps end evenly already: gluon_halves).
+    HALVES: gl.constexpr = halves_tail(HEAD_DIM)
     c = 0
     i = 0
     r = 0
     item = take(items, full, free, r)
     while item < num_items:
         head, kv_head, q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, \
-            num_tiles, pages, n_pre, pre_start, n_main, post_start = tile_walk(
-                TILE_INFO, BT, stride_bt, WALK_INFO, item, num_items, section, HQ, GROUP, N_INFO,
-                BLOCK_N, PAGE, GROUPS)  # fmt: skip
+            num_tiles, pages, n_pre, pre_start, n_main, post_start, half, pair = tile_walk(
+                TILE_INFO, BT, stride_bt, WALK_INFO, item, num_items, section, halves, HQ, GROUP,
+                N_INFO, BLOCK_N, PAGE, GROUPS)  # fmt: skip
         row0 = q_row0 + PART * ROWS
         lo, hi, gsel, offs_n, m_i, l_i, alpha, acc, p, s_zero = consumer_start(
             LO, HI, QG, row0, q_row_last, dtype, ROWS, BLOCK_N, HEAD_DIM, GROUPS
@@ -183,19 +195,33 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
         last = gl.maximum(c + num_tiles - 1, 0)
         # The last values' slot goes back with the next item's first keys' (ring_barriers).
         acc = last_pv(acc, alpha, p, v_smem.index(last % STAGES), v_ready, last, STAGES, live)
-        store_rows(acc, m_i, l_i, OUT, LSE, row0, q_row_last, head, 0, stride_ot, stride_oh, HQ,
-                   ROWS, RETURN_LSE, True)  # fmt: skip
+        if HALVES:
+            # Half a walk (gluon_halves): the half that ends second stores the rows. One store_out
+            # for both kinds of item (one copy of its code).
+            rows_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+            m_row = gl.convert_layout(m_i, rows_o)
+            l_row = gl.convert_layout(gl.sum(l_i, 1), rows_o)
+            keep = gl.full([ROWS], 1, gl.int1, rows_o)
+            if half >= 0:
+                acc, m_row, l_row, keep = merge_halves(acc, m_row, l_row, live, WS, FLAGS, pair, half,
+                                                       halves, PART * ROWS, ROWS)  # fmt: skip
+            store_out(acc, m_row, l_row, OUT, LSE, row0, q_row_last, keep, head, 0, stride_ot, stride_oh,
+                      HQ, ROWS, RETURN_LSE, True)  # fmt: skip
+        else:
+            store_rows(acc, m_i, l_i, OUT, LSE, row0, q_row_last, head, 0, stride_ot, stride_oh, HQ,
+                       ROWS, RETURN_LSE, True)  # fmt: skip
         c += num_tiles
         i += live.to(gl.int32)
         r += 1
         item = take(items, full, free, r)
 
 
-@gluon.jit(do_not_specialize=["last_page", "num_items", "section"])  # one compile whatever the step
+@gluon.jit(do_not_specialize=["last_page", "num_items", "section", "halves"])  # one compile whatever the step
 def attn_fwd_gluon(
     q_desc, k_desc, v_desc, OUT, LSE, LO, HI, TILE_INFO, stride_ot, stride_oh, qk_scale,
     softcap_log2, q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, BT, stride_bt, last_page,
-    Q_GROUP, K_GROUP, KT_GROUP, WALK_INFO, num_items, DEAL, section, HQ: gl.constexpr, GROUP: gl.constexpr,
+    Q_GROUP, K_GROUP, KT_GROUP, WALK_INFO, num_items, DEAL, section, halves, WS,
+    HQ: gl.constexpr, GROUP: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
     RETURN_LSE: gl.constexpr, N_INFO: gl.constexpr, PAGE: gl.constexpr, GROUPS: gl.constexpr,
     CLAMP: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -206,6 +232,7 @@ def attn_fwd_gluon(
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar, q_empty, v_loaded, k_ready, v_ready, done = ring_barriers(STAGES)
     items, full, free = deal_ring()
+    FLAGS = DEAL + 2  # the halved items' flags follow the deal's counters
 
     # The partitions' arguments are written out in place: in Gluon's frontend (triton 3.6) a tuple
     # held in a variable or built by concatenation loses its constexprs, and ``*`` unpacking is
@@ -215,17 +242,17 @@ def attn_fwd_gluon(
     gl.warp_specialize(
         [(_consume, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, done, items,
                      full, free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP, KT_GROUP, TILE_INFO, BT,
-                     stride_bt, WALK_INFO, num_items, section, qk_scale, softcap_log2, stride_ot,
-                     stride_oh, HQ, GROUP, N_INFO, HEAD_DIM, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE,
+                     stride_bt, WALK_INFO, num_items, section, halves, WS, FLAGS, qk_scale, softcap_log2,
+                     stride_ot, stride_oh, HQ, GROUP, N_INFO, HEAD_DIM, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE,
                      PAGE, GROUPS, CLAMP)),
          (_consume, (1, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, done, items,
                      full, free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP, KT_GROUP, TILE_INFO, BT,
-                     stride_bt, WALK_INFO, num_items, section, qk_scale, softcap_log2, stride_ot,
-                     stride_oh, HQ, GROUP, N_INFO, HEAD_DIM, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE,
+                     stride_bt, WALK_INFO, num_items, section, halves, WS, FLAGS, qk_scale, softcap_log2,
+                     stride_ot, stride_oh, HQ, GROUP, N_INFO, HEAD_DIM, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE,
                      PAGE, GROUPS, CLAMP)),
          (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                     done, v_loaded, items, full, free, TILE_INFO, BT, stride_bt, last_page,
-                    WALK_INFO, num_items, DEAL, section, q_head_rows, q_head_cols, kv_head_rows,
+                    WALK_INFO, num_items, DEAL, section, halves, q_head_rows, q_head_cols, kv_head_rows,
                     kv_head_cols, HQ, GROUP, N_INFO, ROWS, ZERO, ONE, BLOCK_N, STAGES, PAGE, GROUPS))],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
@@ -234,4 +261,6 @@ def attn_fwd_gluon(
 
 
 # A 128-query tile, Q read as two 64-row boxes, each K/V tile as one box.
-launch = functools.partial(parts.GluonLaunch, attn_fwd_gluon, 2 * ROWS.value, ROWS.value, 1)
+launch = functools.partial(
+    parts.GluonLaunch, attn_fwd_gluon, 2 * ROWS.value, ROWS.value, 1, halve_tail=halves_tail
+)

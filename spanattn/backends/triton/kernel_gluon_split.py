@@ -64,8 +64,8 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
     item = take(items, full, free, r)
     while item < num_items:
         head, kv_head, q_row0, q_row_last, tma_row0, kv_len, kv_start, full_start, full_end, tma_last, \
-            num_tiles, pages, n_pre, pre_start, n_main, post_start = tile_walk(
-                TILE_INFO, BT, stride_bt, WALK_INFO, item, num_items, section, HQ, GROUP, N_INFO,
+            num_tiles, pages, n_pre, pre_start, n_main, post_start, _, _ = tile_walk(
+                TILE_INFO, BT, stride_bt, WALK_INFO, item, num_items, section, 0, HQ, GROUP, N_INFO,
                 BLOCK_N, PAGE, GROUPS)  # fmt: skip
         lo, hi, gsel, offs_n, m_i, l_i, alpha, acc, p, s_zero = consumer_start(
             LO, HI, QG, q_row0, q_row_last, dtype, ROWS, BLOCK_N, HALF, GROUPS
@@ -127,11 +127,12 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
         item = take(items, full, free, r)
 
 
-@gluon.jit(do_not_specialize=["last_page", "num_items", "section"])  # one compile whatever the step
+@gluon.jit(do_not_specialize=["last_page", "num_items", "section", "halves"])  # one compile whatever the step
 def attn_fwd_gluon_split(
     q_desc, k_desc, v_desc, OUT, LSE, LO, HI, TILE_INFO, stride_ot, stride_oh, qk_scale,
     softcap_log2, q_head_rows, q_head_cols, kv_head_rows, kv_head_cols, BT, stride_bt, last_page,
-    Q_GROUP, K_GROUP, KT_GROUP, WALK_INFO, num_items, DEAL, section, HQ: gl.constexpr, GROUP: gl.constexpr,
+    Q_GROUP, K_GROUP, KT_GROUP, WALK_INFO, num_items, DEAL, section, halves, WS,
+    HQ: gl.constexpr, GROUP: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
     RETURN_LSE: gl.constexpr, N_INFO: gl.constexpr, PAGE: gl.constexpr, GROUPS: gl.constexpr,
     CLAMP: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -169,7 +170,7 @@ def attn_fwd_gluon_split(
                      SOFTCAP, RETURN_LSE, PAGE, GROUPS, CLAMP)),
          (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                     done, v_loaded, items, full, free, TILE_INFO, BT, stride_bt, last_page,
-                    WALK_INFO, num_items, DEAL, section, q_head_rows, q_head_cols, kv_head_rows,
+                    WALK_INFO, num_items, DEAL, section, halves, q_head_rows, q_head_cols, kv_head_rows,
                     kv_head_cols, HQ, GROUP, N_INFO, ZERO, HALF, TWO, BLOCK_N, STAGES, PAGE, GROUPS))],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
