@@ -8,11 +8,11 @@ sat idle 6.2% of S4's time, FA4's kernel 2.8%:
 results/2026-12-02-kernel-counters-s3-s4-h200.json). On such steps (``halved_items``) the last
 ``halves`` items of the deal order become two units each, one per half of the item's key tiles
 (the first half has the extra tile); each unit computes its half as an item would, writes its
-unnormalized output, row maxima and row sums to a scratch buffer (``Partials``), and the half
-that finishes second reads the other's and stores the merged rows. Per warp (16 rows): the
-warp's arrival on its flag (an atomic increment that wraps to zero at the second arrival, so
-flags are zero again for the next launch and CUDA-graph replays) says whether the other
-half's warp had written its rows. The merge takes the first half's values, then the
+unnormalized output, row maxima and row sums to a scratch buffer (``partials_numel``), and
+the half that finishes second reads the other's and stores the merged rows. Per warp (16
+rows): the warp's arrival on its flag (an atomic increment that wraps to zero at the second
+arrival, so flags are zero again for the next launch and CUDA-graph replays) says whether the
+other half's warp had written its rows. The merge takes the first half's values, then the
 second's, whichever program runs it: the same operations on the same numbers, so outputs stay
 bit-identical from run to run and between persistent and one-program-per-item launches (which
 halve the same items).
@@ -23,7 +23,6 @@ elsewhere (d256, the d512 kernel, span-group walks), where every unit is a whole
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -47,7 +46,7 @@ def halved_items(items: int, programs: int) -> int:
     half its last items' time, 1 / (2 x items per program) of the step; halving costs each
     halved item one more Q load, first tile, store and the partial rows' trip through L2. A CPU
     model of the deal (items' times jittered by 10%) put S4 (8.7 items a program) at 1.03x a
-    perfect split with 33-66 halved items, 1.06x with none; on the H200 S4 took 1.0-3.7% less
+    perfect split with 33-66 halved items, 1.06x with none; on the H200 S4 took 0.4-3.7% less
     time, S1 d128 (31 items a program) 1.1-1.3% more, so steps with that many are left whole.
 
     >>> halved_items(1152, 132), halved_items(40, 132), halved_items(4096, 132)
@@ -134,16 +133,3 @@ def merge_halves(acc, m_row, l_row, live, WS, FLAGS, pair, half, halves, row_in_
         gl.where(first, acc_o, acc), gl.where(first, m_o, m_row), gl.where(first, l_o, l_row),
     )  # fmt: skip
     return acc, m_row, l_row, second
-
-
-class Partials:
-    """A launch's scratch buffer for halved items on the current stream (gluon_deal.Counters:
-    launches on one stream run one after another and share it)."""
-
-    def __init__(self, device: torch.device, numel: int):
-        from .gluon_deal import PerStream
-
-        self.per_stream = PerStream(device, lambda: torch.empty(numel, dtype=torch.float32, device=device))
-
-    def __call__(self) -> torch.Tensor:
-        return self.per_stream()

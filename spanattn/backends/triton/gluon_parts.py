@@ -38,6 +38,7 @@ from .columns import (
 from .gluon_compat import partition_barrier, tma_load
 from .gluon_deal import (
     Counters,
+    PerStream,
     finish,
     item_place,
     kv_head_bytes,
@@ -46,7 +47,7 @@ from .gluon_deal import (
     next_item,
     publish,
 )
-from .gluon_halves import WARPS_PER_ITEM, Partials, halve_walk, halved_items, partials_numel, unit_item
+from .gluon_halves import WARPS_PER_ITEM, halve_walk, halved_items, partials_numel, unit_item
 from .gluon_rescale import lazy_max
 from .tma_layout import rebased, tma_matrix
 
@@ -131,7 +132,8 @@ class GluonLaunch:
         head_bytes = kv_head_bytes(plan.total_k, d, k.element_size())
         self.section = kv_heads_per_section(k.shape[1], head_bytes, l2_bytes(q.device))
         self.counters = Counters(q.device, flags=WARPS_PER_ITEM.value * self.halves)
-        self.partials = Partials(q.device, partials_numel(self.halves, d))
+        numel = partials_numel(self.halves, d)  # per stream, as the counters
+        self.partials = PerStream(q.device, lambda: torch.empty(numel, dtype=torch.float32, device=q.device))
         self.seq_lens = plan.seq_lens
         self.launch = DirectLaunch(kernel, (max(programs, 1),), dict(
             HQ=hq, GROUP=hq // k.shape[1], HEAD_DIM=d, BLOCK_N=sched.block_n, STAGES=stages,
@@ -164,13 +166,13 @@ def tile_walk(TILE_INFO, BT, stride_bt, WALK_INFO, unit, num_units, section, hal
     sequence's first key row (packed) and length, the interval walk from ``kv_start`` with FULL
     tiles in ``[full_start, full_end)``, where the tile across the sequence end starts
     (``tma_last``: shifted back to end with the sequence on packed K/V, read in place over
-    pages), the sequence's page numbers, and the whole walk: ``num_tiles`` key tiles, of which ``n_pre``
-    from ``pre_start`` come first and those after ``n_pre + n_main`` from ``post_start`` (span
-    groups, columns.WALK; without, the interval walk alone). No key tiles for a device plan's
-    empty tile (its interval walk ends before it starts). Items in sections of ``section`` KV
-    heads (gluon_deal.item_place); the last ``halves`` as two units each, a unit walking one
-    half of the interval walk (gluon_halves: ``half`` 0 or 1, and the halved item's index
-    ``pair``; ``half`` -1 for a whole item; never with span groups)."""
+    pages), the sequence's page numbers, and the whole walk: ``num_tiles`` key tiles, of which
+    ``n_pre`` from ``pre_start`` come first and those after ``n_pre + n_main`` from
+    ``post_start`` (span groups, columns.WALK; without, the interval walk alone). No key tiles
+    for a device plan's empty tile (its interval walk ends before it starts). Items in sections
+    of ``section`` KV heads (gluon_deal.item_place); the last ``halves`` as two units each, a
+    unit walking one half of the interval walk (gluon_halves: ``half`` 0 or 1, and the halved
+    item's index ``pair``; ``half`` -1 for a whole item; never with span groups)."""
     item, half, pair = unit_item(unit, num_units, halves)
     tile, head = item_place(item, num_units - halves, section, HQ, GROUP)
     info = TILE_INFO + tile * N_INFO
