@@ -59,7 +59,12 @@ def halved_items(items: int, programs: int) -> int:
 
 def partials_numel(halves: int, head_dim: int) -> int:
     """fp32 values of the scratch buffer: per halved item and half, 128 rows of ``head_dim``
-    unnormalized outputs, then per row its maximum and sum (at least one value)."""
+    unnormalized outputs, then per row its maximum and sum (at least one value). A launch keeps
+    one per stream it runs on: 8.8 MB for 66 halved items at d128 (132 SMs).
+
+    >>> partials_numel(66, 128) * 4 / 1e6, partials_numel(0, 128)
+    (8.78592, 1)
+    """
     return max(halves * 2 * 128 * (head_dim + 2), 1)
 
 
