@@ -290,8 +290,8 @@ def test_halved_items_store_what_whole_items_would(layer, page, monkeypatch):
     monkeypatch.setattr(gluon_parts, "sm_count", lambda device: 40)
     p = sa.plan(LONG, LAYERS[layer], device="cuda")
     q, k, v = (t.cuda() for t in _qkv(p, 8, 2, torch.bfloat16, seed=13, d=d))
-    kc, vc, opts = (k, v, {}) if page is None else to_paged(k, v, p, page, fill=float("nan"))
-    opts = {"block_table": opts} if page is not None else {}
+    kc, vc, table = (k, v, None) if page is None else to_paged(k, v, p, page, fill=float("nan"))
+    opts = {} if table is None else {"block_table": table}
 
     def run(config=None, out=None):
         out = torch.full_like(q, float("nan")) if out is None else out
