@@ -3,7 +3,7 @@ in one call with the contenders alternating: the triton backend as it runs by de
 kernels' persistent launch on Hopper), the same kernels with one program per work item, and the
 fa4 backend.
 
-    python benchmarks/short_walks.py --out results/ [--rounds 7] [--scenarios S1,S3] [--scale 1]
+    python benchmarks/short_walks.py --out results/ [--rounds 7] [--scenarios S1,S3-256] [--scale 1]
 
 Efficiency (DESIGN.md section 5): TFLOP/s over the step's allowed pairs divided by FA4's built-in
 causal/window kernel's TFLOP/s over its own pairs, on the step's causal twin (every sequence
@@ -203,7 +203,12 @@ def _draw(path, rows) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for the JSON and PNG")
-    ap.add_argument("--scenarios", default="", help="comma-separated ids (default S0-S5)")
+    ap.add_argument(
+        "--scenarios",
+        default="",
+        help="comma-separated ids, or id-head_dim for one of a "
+        "scenario's head_dims (S1-256); default all of S0-S5",
+    )
     ap.add_argument("--rounds", type=int, default=7, help="alternating rounds per step")
     ap.add_argument("--reps", type=int, default=10, help="calls per timing (CUDA: ~10 ms of them)")
     ap.add_argument("--scale", type=int, default=None, help="divide token counts (default 1; 64 on CPU)")
@@ -212,11 +217,16 @@ def main(argv=None) -> int:
     args.scale = args.scale or (1 if device == "cuda" else 64)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     only = set(filter(None, args.scenarios.split(",")))
+    unknown = only - {sid for sid, _ in CASES} - {f"{sid}-{d}" for sid, d in CASES}
+    if unknown:
+        ap.error(
+            f"--scenarios: {', '.join(sorted(unknown))} not among {', '.join(f'{s}-{d}' for s, d in CASES)}"
+        )
     env = environment(device)
     path = result_path(args.out, "short-walks", env)
     rows = []
     for sid, d in CASES:
-        if only and sid not in only:
+        if only and sid not in only and f"{sid}-{d}" not in only:
             continue
         rows.append(run_case(sid, d, args, device, dtype))
         print(_line(rows[-1]), flush=True)
