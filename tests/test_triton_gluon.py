@@ -110,6 +110,26 @@ def test_matches_truth(layer, dtype, hq, hkv, softcap, d):
 
 @hopper_only
 @pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("layer", ["causal", "on"])
+def test_maxima_that_keep_moving_late_in_a_walk(layer, d):
+    """Keys whose norms grow along the sequence: rows' maxima pass their reference by more than
+    2^8 (gluon_rescale's threshold) again and again, also past a walk's first tiles, where d256
+    and d512 rescale only when a warp's maxima moved."""
+    from spanattn.backends import triton as tb
+
+    batch = sa.Batch([sa.Seq(q_len=1500, kv_len=2000, spans=[(700, 900)]), sa.Seq(q_len=300, kv_len=300)])
+    p = sa.plan(batch, LAYERS[layer], device="cuda")
+    q, k, v = _qkv(p, 4, 2, torch.float32, seed=5, d=d)
+    k *= 1 + torch.arange(p.total_k).remainder(2000)[:, None, None] / 16
+    q, k, v = (t.to(torch.bfloat16).cuda() for t in (q, k, v))
+    out = torch.full_like(q, float("nan"))
+    out, lse = tb.forward(q, k, v, p, scale=d**-0.5, return_lse=True, out=out)
+    truth_plan = sa.plan(batch, LAYERS[layer])
+    assert_close_to_truth(out.cpu(), lse.cpu(), q.cpu(), k.cpu(), v.cpu(), truth_plan, scale=d**-0.5)
+
+
+@hopper_only
+@pytest.mark.parametrize("d", DIMS)
 def test_sequences_never_read_each_others_keys(d):
     """The middle sequence's neighbours hold inf keys and NaN values; its output and LSE must be
     exact (its last tile is read shifted back, never into the next sequence)."""

@@ -13,10 +13,10 @@ dealt at run time, in sections of KV heads whose K/V fit in L2), and the produce
 item's Q and first K/V tiles while the consumers finish the previous item's last softmax and
 P @ V and store its rows: on short walks (a sliding window, a chunk of a few thousand keys)
 those loads and stores weigh as much as several key tiles; an item's first tile runs Q @ K^T
-and its softmax alone (no P @ V before it). At d256 half of Q's columns stay in registers
-(gluon_parts.q_operand): 1/8 less shared-memory traffic, which had bound that head_dim's
-64-key tiles; and a consumer skips its 128 rescale multiplies a tile while none of its rows'
-maxima moved by more than 2^8 (gluon_rescale). At d128 a short step's last items run as two
+and its softmax alone (no P @ V before it). At d256 a consumer skips its 128 rescale
+multiplies a tile while none of its rows' maxima moved by more than 2^8 (gluon_rescale); Q
+stays in shared memory (half of it in registers, as d512 holds it, no longer pays there: see
+gluon_parts.q_operand). At d128 a short step's last items run as two
 halves of their walks on two programs, merged by the half that ends second (gluon_halves).
 """
 
@@ -39,7 +39,6 @@ from .gluon_parts import (
     consumer_start,
     last_pv,
     produce,
-    q_operand,
     ring_barriers,
     scores,
     softmax_step,
@@ -59,9 +58,9 @@ def halves_tail(head_dim) -> bool:
 
 
 @gluon.jit
-def _tile_scores(t, c, acc, alpha, moved, q, q_a, k_smem, k_ready, s_zero, KT, kv_start, n_pre,
+def _tile_scores(t, c, acc, alpha, moved, q, k_smem, k_ready, s_zero, KT, kv_start, n_pre,
                  pre_start, n_main, post_start, kv_len, live, STAGES: gl.constexpr,
-                 BLOCK_N: gl.constexpr, GROUPS: gl.constexpr, Q_SPLIT: gl.constexpr,
+                 BLOCK_N: gl.constexpr, GROUPS: gl.constexpr,
                  LAZY: gl.constexpr):  # fmt: skip
     """Key tile ``t`` of an item's walk (``c``: the program's key tiles before the item): its
     first key, group code and place in the walk (read first: their latency hides under the
@@ -79,7 +78,7 @@ def _tile_scores(t, c, acc, alpha, moved, q, q_a, k_smem, k_ready, s_zero, KT, k
         acc = acc * gl.expand_dims(alpha, 1)
     slot = (c + t) % STAGES
     mbarrier.wait(k_ready.index(slot), ((c + t) // STAGES) & 1, pred=live)
-    return scores(q, q_a, k_smem.index(slot), s_zero, Q_SPLIT), acc, n, ktg, outside
+    return scores(q, q, k_smem.index(slot), s_zero, False), acc, n, ktg, outside
 
 
 @gluon.jit
@@ -122,9 +121,6 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
     (the item ring's)."""
     dtype: gl.constexpr = q_smem.dtype
     q = q_smem.index(PART)
-    # Half of Q in registers at d256 (gluon_parts.q_operand); paged and span-group variants,
-    # short of registers already, spill 4-8x more with it and keep Q in shared memory.
-    Q_SPLIT: gl.constexpr = (HEAD_DIM == 256) & (PAGE == 0) & (not GROUPS)
     LAZY: gl.constexpr = HEAD_DIM == 256
     # Halved items at d128 only: holding the other half's 64 x 256 accumulator beside its own
     # made d256 spill 3.4 KB a thread (and its short steps end evenly already: gluon_halves).
@@ -152,12 +148,11 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
         own = row0 + gl.arange(0, ROWS, layout=m_i.type.layout) <= q_row_last
         moved = gl.to_tensor(0)
         mbarrier.wait(q_bar, i & 1, pred=live)
-        q_a = q_operand(q, s_zero, Q_SPLIT)
         # The first key tile: Q @ K^T and softmax alone. In the loop its P @ V (of p = 0) cost
         # half a tile's MMAs per item: without it S1 d128 3.5% and V2 4.4% faster on the H200.
         s, acc, n, ktg, outside = _tile_scores(
-            0, c, acc, alpha, moved, q, q_a, k_smem, k_ready, s_zero, KT + tma_row0, kv_start, n_pre,
-            pre_start, n_main, post_start, kv_len, live, STAGES, BLOCK_N, GROUPS, Q_SPLIT, LAZY,
+            0, c, acc, alpha, moved, q, k_smem, k_ready, s_zero, KT + tma_row0, kv_start, n_pre,
+            pre_start, n_main, post_start, kv_len, live, STAGES, BLOCK_N, GROUPS, LAZY,
         )  # fmt: skip
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
         # Tile c's keys are read (and the last item's last values: gluon_parts.ring_barriers).
@@ -169,8 +164,8 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
         )  # fmt: skip
         for t in range(1, num_tiles):
             s, acc, n, ktg, outside = _tile_scores(
-                t, c, acc, alpha, moved, q, q_a, k_smem, k_ready, s_zero, KT + tma_row0, kv_start,
-                n_pre, pre_start, n_main, post_start, kv_len, live, STAGES, BLOCK_N, GROUPS, Q_SPLIT,
+                t, c, acc, alpha, moved, q, k_smem, k_ready, s_zero, KT + tma_row0, kv_start,
+                n_pre, pre_start, n_main, post_start, kv_len, live, STAGES, BLOCK_N, GROUPS,
                 LAZY,
             )  # fmt: skip
             # The previous tile's P @ V, under this tile's softmax.

@@ -57,7 +57,9 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
     phases), ``i`` its items with key tiles (Q's phase), ``r`` all (the item ring's)."""
     dtype: gl.constexpr = q_smem.dtype
     q = q_smem.index(PART)
-    Q_SPLIT: gl.constexpr = (PAGE == 0) & (not GROUPS)  # as in kernel_gluon._consume
+    # Half of Q in registers (gluon_parts.q_operand); paged and span-group variants, short of
+    # registers already, keep Q in shared memory (at d256 they had spilled 4-8x more with it).
+    Q_SPLIT: gl.constexpr = (PAGE == 0) & (not GROUPS)
     c = 0
     i = 0
     r = 0
