@@ -16,8 +16,8 @@ those loads and stores weigh as much as several key tiles; an item's first tile 
 and its softmax alone (no P @ V before it). At d256 a consumer skips its 128 rescale
 multiplies a tile while none of its rows' maxima moved by more than 2^8 (gluon_rescale); Q
 stays in shared memory (half of it in registers, as d512 holds it, no longer pays there: see
-gluon_parts.q_operand). At d128 a short step's last items run as two
-halves of their walks on two programs, merged by the half that ends second (gluon_halves).
+gluon_parts.q_operand). At d128 a short step's last items run as two halves of their walks on
+two programs, merged by the half that ends second (gluon_halves).
 """
 
 from __future__ import annotations
