@@ -78,6 +78,7 @@ def _tile_scores(t, c, acc, alpha, moved, q, k_smem, k_ready, s_zero, KT, kv_sta
         acc = acc * gl.expand_dims(alpha, 1)
     slot = (c + t) % STAGES
     mbarrier.wait(k_ready.index(slot), ((c + t) // STAGES) & 1, pred=live)
+    # All of Q from shared memory (no register half: gluon_parts.q_operand says why).
     return scores(q, q, k_smem.index(slot), s_zero, False), acc, n, ktg, outside
 
 
