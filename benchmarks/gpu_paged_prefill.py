@@ -85,7 +85,10 @@ def both_ways(q, kc, vc, table, p, page, ref, t_contig):
         tb.gluon_reads_pages = lambda *args, **kwargs: False
         for name, copies in (("walk", False), ("copy", True)):
             tb.copies_pages = lambda *args, copies=copies, **kwargs: copies
-            fn = partial(sa.attention, q, kc, vc, p, block_table=table, backend="triton")
+            # A fresh plan each: a plan keeps the route its first call of a shape took (later
+            # calls only launch), so ``p`` would run the default's route under any rule.
+            fresh = sa.plan(p.batch, p.layer, device="cuda")
+            fn = partial(sa.attention, q, kc, vc, fresh, block_table=table, backend="triton")
             equal = bool(torch.equal(fn(), ref))
             res[f"{name}_ms"] = t = do_bench(fn, rep=200)
             res[f"{name}_over_contiguous"] = t / t_contig
