@@ -569,10 +569,17 @@ def store_rows(acc, m_i, l_i, OUT, LSE, row0, q_row_last, head, col0, stride_ot,
     """Normalize and store ``acc`` as rows ``row0 ...`` (up to the sequence's last query) and
     columns ``col0 ...`` of the head's output; the rows' LSE (natural log) if asked. ``WIDE``
     (128 or 256 columns): 8 adjacent columns a thread."""
+    m_row, l_row = row_stats(acc, m_i, l_i)
+    store_out(acc, m_row, l_row, OUT, LSE, row0, q_row_last, None, head, col0, stride_ot, stride_oh, HQ,
+              ROWS, WRITE_LSE, WIDE)  # fmt: skip
+
+
+@gluon.jit
+def row_stats(acc, m_i, l_i):
+    """The rows' maxima and sums (each thread's shares, row_parts, added up) in ``acc``'s row
+    layout, as store_out takes them."""
     rows_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    l_row = gl.convert_layout(gl.sum(l_i, 1), rows_o)  # the row sums' shares added up (row_parts)
-    store_out(acc, gl.convert_layout(m_i, rows_o), l_row, OUT, LSE, row0, q_row_last, None, head, col0,
-              stride_ot, stride_oh, HQ, ROWS, WRITE_LSE, WIDE)  # fmt: skip
+    return gl.convert_layout(m_i, rows_o), gl.convert_layout(gl.sum(l_i, 1), rows_o)
 
 
 @gluon.jit

@@ -40,6 +40,7 @@ from .gluon_parts import (
     last_pv,
     produce,
     ring_barriers,
+    row_stats,
     scores,
     softmax_step,
     store_out,
@@ -190,14 +191,12 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
         last = gl.maximum(c + num_tiles - 1, 0)
         # The last values' slot goes back with the next item's first keys' (ring_barriers).
         acc = last_pv(acc, alpha, p, v_smem.index(last % STAGES), v_ready, last, STAGES, live)
-        rows_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-        m_row = gl.convert_layout(m_i, rows_o)
-        l_row = gl.convert_layout(gl.sum(l_i, 1), rows_o)  # the row sums' shares added up
+        m_row, l_row = row_stats(acc, m_i, l_i)
         keep = None  # every row up to the sequence's last
         if HALVES:
             # Half a walk (gluon_halves): the half that ends second stores the rows. One store_out
             # for both kinds of item (one copy of its code).
-            keep = gl.full([ROWS], 1, gl.int1, rows_o)
+            keep = gl.full([ROWS], 1, gl.int1, m_row.type.layout)
             if half >= 0:
                 acc, m_row, l_row, keep = merge_halves(acc, m_row, l_row, live, WS, FLAGS, pair, half,
                                                        halves, PART * ROWS, ROWS)  # fmt: skip
