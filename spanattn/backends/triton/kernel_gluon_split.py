@@ -46,7 +46,7 @@ ZERO, TWO = gl.constexpr(0), gl.constexpr(2)
 
 @gluon.jit
 def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty, k_ready, v_ready,
-             done, x_full, x_free, items, full, free, OUT, LSE, LO, HI, QG, KG, KT,
+             done, x_full, items, full, free, OUT, LSE, LO, HI, QG, KG, KT,
              TILE_INFO, BT, stride_bt, WALK_INFO, num_items, section, qk_scale, softcap_log2,
              stride_ot, stride_oh, HQ: gl.constexpr, GROUP: gl.constexpr, N_INFO: gl.constexpr,
              HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -92,19 +92,17 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
             acc = warpgroup_mma(p, v_smem.index(2 * prev + PART), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
 
-            # Swap halves of the scores, in the slots of this tile's parity: ours out once the
-            # other consumer has read what we put there two tiles ago, theirs in once written.
-            # The partition barriers make all 128 threads' stores (loads) happen before the one
-            # thread that arrives signals them.
+            # Swap halves of the scores, in the slots of this tile's parity: ours out, theirs in
+            # once written. The partition barrier makes all 128 threads' stores happen before the
+            # one thread that arrives signals them. Our slot is free again without a signal of its
+            # own: the other consumer wrote its last tile's half (which we waited for) after it
+            # had used what it read from our slot two tiles ago.
             x = (c + t) % 2
-            mbarrier.wait(x_free.index(2 * PART + x), ((c + t) // 2 - 1) & 1, pred=c + t > 1)
             x_smem.index(2 * PART + x).store(s)
             partition_barrier()
             mbarrier.arrive(x_full.index(2 * PART + x))
             mbarrier.wait(x_full.index(2 * (1 - PART) + x), ((c + t) // 2) & 1)
             s = s + x_smem.index(2 * (1 - PART) + x).load(s.type.layout)
-            partition_barrier()
-            mbarrier.arrive(x_free.index(2 * (1 - PART) + x))
 
             p, alpha, m_i, l_i, moved = softmax_step(
                 s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
@@ -146,27 +144,25 @@ def attn_fwd_gluon_split(
     k_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_N, HALF], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_N, HALF], v_desc.layout)
     # Each consumer's score halves in two slots, alternating by key tile: one may store a tile's
-    # half before the other has read its previous one.
+    # half before the other has read its previous one, and a slot needs no release (_consume).
     x_smem = gl.allocate_shared_memory(gl.float32, [4, ROWS, BLOCK_N], x_layout)
     q_bar, q_empty, v_loaded, k_ready, v_ready, done = ring_barriers(STAGES)
     items, full, free = deal_ring()
     x_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    x_free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(4):
         mbarrier.init(x_full.index(i), count=1)  # by the consumer that wrote the half
-        mbarrier.init(x_free.index(i), count=1)  # by the consumer that read it
 
     # Arguments written out in place (see kernel_gluon.attn_fwd_gluon). The producer reads Q as
     # two column halves and each K/V tile as two.
     # fmt: off
     gl.warp_specialize(
         [(_consume, (0, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty, k_ready, v_ready, done,
-                     x_full, x_free, items, full, free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP,
+                     x_full, items, full, free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP,
                      KT_GROUP, TILE_INFO, BT, stride_bt, WALK_INFO, num_items, section, qk_scale,
                      softcap_log2, stride_ot, stride_oh, HQ, GROUP, N_INFO, HALF, BLOCK_N, STAGES,
                      SOFTCAP, RETURN_LSE, PAGE, GROUPS, CLAMP)),
          (_consume, (1, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty, k_ready, v_ready, done,
-                     x_full, x_free, items, full, free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP,
+                     x_full, items, full, free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP,
                      KT_GROUP, TILE_INFO, BT, stride_bt, WALK_INFO, num_items, section, qk_scale,
                      softcap_log2, stride_ot, stride_oh, HQ, GROUP, N_INFO, HALF, BLOCK_N, STAGES,
                      SOFTCAP, RETURN_LSE, PAGE, GROUPS, CLAMP)),
