@@ -151,7 +151,37 @@ def _report(kernel) -> dict:
         "ptxas": [x for x in info if ("registers" in x or "spill" in x) and "(C75" not in x],
         "wgmma_serialized": "are serialized" in log.stderr,
         "wgmma_wait_injected": "C7517" in log.stderr,
+        "exps_under_pv": exps_under_pv(sass(kernel.asm["cubin"])),
     }
+
+
+def sass(cubin: bytes) -> str:
+    """The cubin's SASS, by the cuobjdump that ships with triton."""
+    import triton.backends.nvidia as nv
+
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    os.unlink(f.name)
+    return out
+
+
+def exps_under_pv(sass_text: str) -> list[int]:
+    """Per wait for every wgmma that follows a wait leaving one group in flight (a Gluon loop's
+    P @ V, issued after its tile's Q @ K^T): the exponentials (MUFU.EX2) between the two waits,
+    i.e. how much of the softmax runs under that P @ V (gluon_pv_wait.py). The SASS order is
+    ptxas's, which moves a wgmma wait to the start of its basic block."""
+    counts, exps = [], None
+    for line in sass_text.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            exps = 0
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line and exps is not None:
+            counts.append(exps)
+            exps = None
+        elif "MUFU.EX2" in line and exps is not None:
+            exps += 1
+    return counts
 
 
 def shipped() -> list[tuple[int, Config, int, str]]:

@@ -44,3 +44,13 @@ def test_every_shipped_variant_compiles_for_hopper(reports):
     for r in reports:
         assert r["shared_bytes"] <= SMEM_PER_BLOCK, r
         assert not r["wgmma_serialized"] and not r["wgmma_wait_injected"], r
+
+
+def test_gluon_softmax_runs_under_its_p_at_v(reports):
+    """Each Gluon loop's P @ V is waited for after the next tile's exponentials, not before its
+    row maxima (gluon_pv_wait.py): a tile's 64 (d128), 32 (d256) or 16 (d512) per row pair, and
+    two more for the rescale factors."""
+    per_row_pair = {128: 66, 256: 34, 512: 18}
+    for r in (r for r in reports if r["config"]["gluon"]):
+        loops = r["exps_under_pv"]
+        assert loops and min(loops) >= per_row_pair[r["d"]], r

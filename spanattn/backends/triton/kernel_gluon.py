@@ -3,7 +3,8 @@
 out as FlashAttention-3 does it: a one-warp producer (gluon_parts.produce; packed K/V or the
 pages of a paged cache) streams K and V tiles by TMA into two rings of ``STAGES`` shared-memory slots, and two
 4-warp consumers (64 query rows each) run their softmax of a tile while the tensor cores do the
-previous tile's P @ V. No barrier couples the two consumers: each releases a slot by arriving on
+previous tile's P @ V (waited for after the softmax, where ptxas would not put it by itself:
+gluon_pv_wait). No barrier couples the two consumers: each releases a slot by arriving on
 a barrier of its own, so one consumer's softmax overlaps the other's MMAs as well. A consumer
 releases slots once a tile, after the deferred P @ V: that tile's keys and the previous tile's
 values (gluon_parts.ring_barriers), so that two stages keep the next tile's loads ahead of the
@@ -47,6 +48,7 @@ from .gluon_parts import (
     tile_place,
     tile_walk,
 )
+from .gluon_pv_wait import wait_pv
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
 ZERO, ONE = gl.constexpr(0), gl.constexpr(1)
@@ -180,7 +182,7 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
                 softcap_log2, outside, gsel, KG + tma_row0, ktg, kv_len, own, BLOCK_N, SOFTCAP,
                 GROUPS, CLAMP, LAZY,
             )  # fmt: skip
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            acc = wait_pv(acc, c + t)
             # This tile's keys and the previous tile's values are read: their slots go back.
             mbarrier.arrive(done.index((c + t) % STAGES))
 

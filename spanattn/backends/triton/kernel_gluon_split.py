@@ -38,6 +38,7 @@ from .gluon_parts import (
     tile_place,
     tile_walk,
 )
+from .gluon_pv_wait import wait_pv
 from .gluon_rescale import rescale
 
 ROWS = gl.constexpr(64)  # query rows per tile, held by both consumers
@@ -109,8 +110,7 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
                 softcap_log2, outside, gsel, KG + tma_row0, ktg, kv_len, own, BLOCK_N, SOFTCAP,
                 GROUPS, CLAMP,
             )  # fmt: skip
-
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            acc = wait_pv(acc, c + t)
             # This tile's keys and the previous tile's values are read (gluon_parts.ring_barriers).
             mbarrier.arrive(done.index(slot))
 
