@@ -1,6 +1,7 @@
 """Compile the prefill kernel for sm_90 on any machine (no GPU needed) and print, per tile
 config, what ptxas reports: registers per thread, spills, shared memory, and whether wgmma
-instructions get serialized (ptxas C7514/C7515) or waited for (C7517). A cheap first filter
+instructions get serialized (ptxas C7514/C7515) or waited for (C7517); from the SASS, how many
+exponentials of each loop's softmax run under its P @ V (gluon_pv_wait.py). A cheap first filter
 before spending device time on a config: a config that spills or serializes its MMAs rarely
 wins the timing.
 
