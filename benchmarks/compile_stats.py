@@ -160,12 +160,11 @@ def sass(cubin: bytes) -> str:
     """The cubin's SASS, by the cuobjdump that ships with triton."""
     import triton.backends.nvidia as nv
 
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-        f.write(cubin)
     tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
-    out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    os.unlink(f.name)
-    return out
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
 
 
 def exps_under_pv(sass_text: str) -> list[int]:
