@@ -7,14 +7,16 @@ the machine falls on all of them alike.
     python benchmarks/ab_trees.py --out results/ --trees main=/tmp/main new=. \\
         --cases S0-256,S1-128,S3-256 --rounds 3
 
-A tree is a folder holding a ``spanattn`` package. Per tree, round and case: the triton
-backend's forward on the scenario (S0-S5, or the span-group steps V1/V2) at full size (bf16, Hq
-16 / Hkv 8, random inputs; a case ending in ``-p16``: K/V scattered over a cache of 16-token
-pages, called through ``spanattn.attention`` as a serving step would, its block-table check
-included), the least of three ``triton.testing.do_bench`` medians of 100 ms each. CUDA only: it
-times kernels, not correctness (the tree's tests and short_walks.py check that). Writes
-``<date>-ab-trees-<gpu>.json``: every round's times, per case the median over rounds and each
-tree's time over the first tree's.
+A tree is a folder holding a ``spanattn`` package. The trees' order rotates by one each round
+(``round_order``): the tree that runs first in a round can run 1-2% faster on code identical to
+the others' (seen on the H200), and a fixed order would give that to one tree every round. Per
+tree, round and case: the triton backend's forward on the scenario (S0-S5, or the span-group
+steps V1/V2) at full size (bf16, Hq 16 / Hkv 8, random inputs; a case ending in ``-p16``: K/V
+scattered over a cache of 16-token pages, called through ``spanattn.attention`` as a serving
+step would, its block-table check included), the least of three ``triton.testing.do_bench``
+medians of 100 ms each. CUDA only: it times kernels, not correctness (the tree's tests and
+short_walks.py check that). Writes ``<date>-ab-trees-<gpu>.json``: every round's times, per
+case the median over rounds and each tree's time over the first tree's.
 """
 
 from __future__ import annotations
@@ -67,6 +69,16 @@ def run_tree(path: str, cases: list[str]) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def round_order(trees: list[str], r: int) -> list[str]:
+    """The trees' order in round ``r``: the list rotated by ``r``.
+
+    >>> round_order(["a", "b", "c"], 1)
+    ['b', 'c', 'a']
+    """
+    k = r % len(trees)
+    return trees[k:] + trees[:k]
+
+
 def summary(rounds: list[dict], trees: list[str], cases: list[str]) -> dict:
     """Per case: each tree's median over rounds, and its ratio to the first tree's (below 1:
     faster)."""
@@ -106,7 +118,8 @@ def main():
     trees = dict(t.split("=", 1) for t in args.trees)
     rounds = []
     for r in range(args.rounds):
-        rounds.append({name: run_tree(path, cases) for name, path in trees.items()})
+        times = {name: run_tree(trees[name], cases) for name in round_order(list(trees), r)}
+        rounds.append({name: times[name] for name in trees})
         line = (
             f"{name} " + " ".join(f"{c} {ms:.3f}" for c, ms in t.items()) for name, t in rounds[-1].items()
         )

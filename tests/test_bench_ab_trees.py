@@ -37,3 +37,10 @@ def test_a_bad_case_is_refused_before_any_timing(monkeypatch, tmp_path, capsys):
     with pytest.raises(SystemExit):
         _script().main()
     assert "'S3-x' is not SCENARIO-HEAD_DIM" in capsys.readouterr().err
+
+
+def test_every_tree_runs_first_in_turn():
+    order = _script().round_order
+    firsts = [order(["a", "b", "c"], r)[0] for r in range(6)]
+    assert firsts == ["a", "b", "c", "a", "b", "c"]
+    assert sorted(order(["a", "b", "c"], 2)) == ["a", "b", "c"]
