@@ -1,14 +1,14 @@
-"""The Gluon prefill kernel for head_dim 512 on Hopper: a 64-query tile's head_dim split in
-halves over two consumer warpgroups. A warpgroup's fp32 accumulator of 64 rows x 512 columns
-would take all its registers, so each consumer owns the output columns of its half and
-computes its half of every Q @ K^T product; the two halves of the scores are summed through
-shared memory (fp32 addition commutes, so both consumers hold bit-identical scores, row maxima
-and sums, with no further exchange), and each runs P @ V for its columns. The scores are thus
-computed once, where kernel.py's d512 configuration has two programs recompute them (1.5x the
-FLOPs). A warp whose rows' maxima did not move skips the accumulator's rescale (gluon_rescale:
-128 multiplies a thread per 32-key tile; S5 6% faster on the H200). Producer warp, K/V rings,
-deferred P @ V, schedule, interval masks and the persistent launch's run-time deal as in
-kernel_gluon.py.
+"""The Gluon prefill kernel for head_dim 512 on Hopper: a 64-query tile's head_dim split in halves
+over two consumer warpgroups. A warpgroup's fp32 accumulator of 64 rows x 512 columns would take
+all its registers, so each consumer owns the output columns of its half and computes its half of
+every Q @ K^T product; the two halves of the scores are summed through shared memory (fp32
+addition commutes, so both consumers hold bit-identical scores, row maxima and sums, with no
+further exchange), and each runs P @ V for its columns. The scores are thus computed once, where
+kernel.py's d512 configuration has two programs recompute them (1.5x the FLOPs). A warp whose
+rows' maxima did not move skips the accumulator's rescale (gluon_rescale: 128 multiplies a
+thread per 32-key tile; S5 6% faster on the H200). A named barrier of both consumers puts their
+Q @ K^T ahead of either's P @ V on the tensor cores. Producer warp, K/V rings, deferred P @ V,
+schedule, interval masks and the persistent launch's run-time deal as in kernel_gluon.py.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ from .gluon_rescale import rescale
 
 ROWS = gl.constexpr(64)  # query rows per tile, held by both consumers
 ZERO, TWO = gl.constexpr(0), gl.constexpr(2)
+# Named barrier 8 over both consumers' 256 threads (triton's partitions use ids below 8): see
+# _consume. The result only ties the statement into the dataflow.
+_BOTH_SCORES_ISSUED = gl.constexpr("{ bar.sync 8, 256; mov.u32 $0, $1; }")
 
 
 @gluon.jit
@@ -58,9 +61,9 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
     phases), ``i`` its items with key tiles (Q's phase), ``r`` all (the item ring's)."""
     dtype: gl.constexpr = q_smem.dtype
     q = q_smem.index(PART)
-    # Half of Q in registers (gluon_parts.q_operand); paged and span-group variants, short of
-    # registers already, keep Q in shared memory (at d256 they had spilled 4-8x more with it).
-    Q_SPLIT: gl.constexpr = (PAGE == 0) & (not GROUPS)
+    # Half of Q in registers (gluon_parts.q_operand), in every variant: with it the paged and
+    # span-group ones spill 0-8 bytes a thread more (40 where the span-group kernel on packed
+    # K/V spilled none) and ran 4.0 / 3.4% faster on the H200 (S5 over 16-token pages, V1).
     c = 0
     i = 0
     r = 0
@@ -78,7 +81,7 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
         moved = gl.zeros_like(alpha).to(gl.int32)
         live = num_tiles > 0  # predicated, not branched on: see kernel_gluon._consume
         mbarrier.wait(q_bar, i & 1, pred=live)
-        q_a = q_operand(q, s_zero, Q_SPLIT)
+        q_a = q_operand(q, s_zero, True)
         for t in range(num_tiles):
             slot = (c + t) % STAGES
             before = c + gl.maximum(t - 1, 0)
@@ -88,8 +91,13 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
             )
             acc = rescale(acc, alpha, moved)
             mbarrier.wait(k_ready.index(slot), ((c + t) // STAGES) & 1)
-            s = scores(q, q_a, k_smem.index(2 * slot + PART), s_zero, Q_SPLIT)
+            s = scores(q, q_a, k_smem.index(2 * slot + PART), s_zero, True)
             mbarrier.wait(v_ready.index(prev), (before // STAGES) & 1)
+            # Both consumers' Q @ K^T go to the tensor cores before either's P @ V: the swap
+            # below needs both halves, and a P @ V issued between them would delay the second
+            # (S5 over 16-token pages 1.4% faster on the H200, packed even).
+            gl.inline_asm_elementwise(_BOTH_SCORES_ISSUED, "=r,r", [c + t], dtype=gl.int32, is_pure=False,
+                                      pack=1)  # fmt: skip
             acc = warpgroup_mma(p, v_smem.index(2 * prev + PART), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
 
