@@ -434,20 +434,17 @@ def last_pv(acc, alpha, p, v_tile, v_ready, last, STAGES: gl.constexpr, live):
 
 
 @gluon.jit
-def q_operand(q, s_zero, SPLIT: gl.constexpr):
-    """The A operand of a key tile's first Q @ K^T MMA (``scores``) for an item's Q tile ``q``:
-    with ``SPLIT`` the first half of its columns, loaded into registers once per item, else
-    ``q`` in shared memory. Why: at d512 (kernel_gluon_split, half of head_dim per consumer) a
-    32-key tile's bytes through shared memory bound it, and an operand in registers is not read
-    from there (S5 4% faster on the H200; without it, 7.7% slower again since). kernel_gluon at
-    d256 had gained the same way (S0 d256 5%, 1/8 of a 64-key tile's 256 KB) until the rescale
-    skipping took registers: since, without it S1 / S3 d256 ran 3.7 / 3.5% faster and S0 1.0%
-    slower (4 alternating rounds), so there Q stays in shared memory."""
-    a = q
-    if SPLIT:
-        layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_zero.type.layout, k_width=2)
-        a = q.slice(0, q.shape[1] // 2, dim=1).load(layout)
-    return a
+def q_operand(q, s_zero):
+    """The A operand of a key tile's first Q @ K^T MMA (``scores`` with ``SPLIT``) for an item's
+    Q tile ``q``: the first half of its columns, loaded into registers once per item. Why: at d512
+    (kernel_gluon_split, half of head_dim per consumer) a 32-key tile's bytes through shared
+    memory bound it, and an operand in registers is not read from there (S5 4% faster on the
+    H200; without it, 7.7% slower again since). kernel_gluon at d256 had gained the same way (S0
+    d256 5%, 1/8 of a 64-key tile's 256 KB) until the rescale skipping took registers: since,
+    without it S1 / S3 d256 ran 3.7 / 3.5% faster and S0 1.0% slower (4 alternating rounds), so
+    there Q stays in shared memory."""
+    layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_zero.type.layout, k_width=2)
+    return q.slice(0, q.shape[1] // 2, dim=1).load(layout)
 
 
 @gluon.jit

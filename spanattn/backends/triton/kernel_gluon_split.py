@@ -81,7 +81,7 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, x_smem, q_bar, q_empty,
         moved = gl.zeros_like(alpha).to(gl.int32)
         live = num_tiles > 0  # predicated, not branched on: see kernel_gluon._consume
         mbarrier.wait(q_bar, i & 1, pred=live)
-        q_a = q_operand(q, s_zero, True)
+        q_a = q_operand(q, s_zero)
         for t in range(num_tiles):
             slot = (c + t) % STAGES
             before = c + gl.maximum(t - 1, 0)
