@@ -6,10 +6,13 @@
 Writes results/<date>-fa4-<gpu>.json, after every part.
 
 check: correctness grid (bf16/fp16, D 64/128/256, GQA 1/2/8, windows, span modes, mixed batches,
-    softcap, LSE) on both paths (FA4's built-in causal/window, and the interval mask_mod with
-    block-sparse tables), held to DESIGN.md section 4's rule; outputs land in NaN-poisoned memory.
+    softcap, LSE) on both paths (FA4's built-in causal/window, once per causal flag where a step
+    has both, and the interval mask_mod with block-sparse tables), held to DESIGN.md section 4's
+    rule; outputs land in NaN-poisoned memory.
 count: FA4 kernel compilations over random steps (lengths, spans, flags, batch size change).
 mixed: a serving step (prefill chunks with images, 64 decode rows, canvases): fa4 vs triton.
+flags: S4 on the built-in kernel once per causal flag: a side stream vs one stream (either
+    order) vs the sparse path, alternating with the built-in kernel on the causal twin.
 alternate: fa4 and FA4's built-in timed in alternation over several rounds (--scenarios S1).
 anatomy: where the sparse path's time goes on S1: the same machinery on the plain window mask
     (the built-in's own mask), and again with every visited tile marked FULL (the mask never
@@ -32,7 +35,7 @@ import time
 import torch
 
 import spanattn as sa
-from spanattn.backends import fa4
+from spanattn.backends import fa4, fa4_flags
 from spanattn.backends import triton as tb
 from spanattn.bench.report import environment, result_path
 from spanattn.bench.timing import host_ms, kernel_ms, poison
@@ -58,16 +61,23 @@ def check_one(batch, layer, dtype, d, hq, hkv, softcap=None):
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
     verdict = Truth(q, k, v, p, scale=scale, softcap=softcap).check(out, lse, rounding_slack=True)
-    return {"path": "builtin" if fa4.builtin(p) else "sparse", "first_call_s": first_s, **verdict.as_dict()}
+    path = "builtin" if len(fa4_flags.flags(p)) == 1 else "builtin per flag"
+    path = path if fa4.builtin(p) else "sparse"
+    return {"path": path, "first_call_s": first_s, **verdict.as_dict()}
 
 
 def grid():
-    """The GPU check step under every layer kind (the sparse path; "causal" has a non-causal
-    canvas, so it is sparse too), plus an all-causal batch for the built-in path."""
+    """The GPU check step under every layer kind (the sparse path; "causal_flags", spans off with
+    a non-causal canvas, takes the built-in kernel once per flag), the same with windows and spans
+    off (per flag, both non-causal window kinds), plus an all-causal batch for the one-launch
+    built-in path."""
     mixed, layers = check_step()
     causal = sa.Batch([sa.Seq(q_len=700, kv_len=1300), sa.Seq(q_len=1, kv_len=517), sa.Seq(129)])
     rename = {"causal": "causal_flags"}
     cases = {("mixed", rename.get(name, name)): (mixed, layer) for name, layer in layers.items()}
+    cases[("mixed", "W64_flags")] = (mixed, sa.LayerMask(window=64, spans="off"))
+    wide = sa.LayerMask(window=64, spans="off", noncausal_window="inclusive")
+    cases[("mixed", "W64_inclusive_flags")] = (mixed, wide)
     cases[("causal", "causal")] = (causal, sa.LayerMask(spans="off"))  # built-in
     cases[("causal", "W64")] = (causal, sa.LayerMask(window=64))  # built-in window
     return cases
@@ -223,6 +233,55 @@ def part_alternate(res, log, ids, rounds=9):
     res["alternate"] = rows
 
 
+def part_flags(res, log, rounds=7):
+    """S4 (causal chunks and non-causal canvases) on FA4's built-in kernel once per flag: as
+    shipped (the longer walks first on a side stream), the same two launches back to back on one
+    stream in either order, and the sparse path (the route before), in alternation with the
+    built-in kernel on the causal twin; per round, pairs per time over the twin's."""
+    sc = scenarios(1)["S4"]
+    d, scale = 128, 128**-0.5
+    p = sa.plan(sc.batch, sc.layer, device=DEV)
+    twin = sa.plan(sa.Batch([sa.Seq(s.q_len, kv_len=s.kv_len) for s in sc.batch.seqs]), sc.layer, device=DEV)
+    q, k, v = rand_qkv(p, HQ, HKV, d, torch.bfloat16)
+    launches = fa4._lowering(p, q, k)[0].calls  # longer walks first
+
+    def one_stream(order):
+        def run():
+            out = torch.empty_like(q)
+            for c in order:
+                c(q, k, v, scale, 0.0, False, out=out)
+            return out
+
+        return run
+
+    fns = {
+        "fa4 (side stream)": functools.partial(fa4.forward, q, k, v, p, scale=scale),
+        "one stream, longer walks first": one_stream(launches),
+        "one stream, shorter walks first": one_stream(launches[::-1]),
+        "sparse path": _sparse(p, q, k, v, scale),
+    }
+    truth = Truth(q, k, v, p, scale=scale)
+    row = {"flags_first": [c.fixed["causal"] for c in launches], "check": {}}
+    for name, fn in fns.items():
+        for _ in range(3):  # recorded, checked, direct
+            out = fn()
+        out = out[0] if isinstance(out, tuple) else out
+        out = out[0] if out.dim() == 4 else out  # the sparse call's batch of 1
+        row["check"][name] = truth.check(out, rounding_slack=True).as_dict()
+    fns["built-in (twin)"] = _fa4_builtin(twin, q, k, v, scale)
+    times = {n: [] for n in fns}
+    for r in range(rounds):
+        for n in list(fns)[r % len(fns) :] + list(fns)[: r % len(fns)]:  # who goes first rotates
+            times[n].append(kernel_ms(fns[n], DEV))
+    light, twin_ms = twin.allowed_pairs() / p.allowed_pairs(), times["built-in (twin)"]
+    for n, ms in times.items():
+        row[n] = {"ms": statistics.median(ms), "rounds_ms": ms}
+        if n != "built-in (twin)":  # per pair: the time ratio over the pairs' ratio
+            row[n]["efficiency"] = statistics.median(t0 / t / light for t, t0 in zip(ms, twin_ms))
+            log(f"flags S4: {n} {row[n]['ms']:.4f} ms, per pair {row[n]['efficiency']:.3f} of the built-in")
+    res["flags"] = row
+
+
 def _sparse(p, q, k, v, scale, tables=None):
     """The sparse path's FA4 call with the given tile tables (default: the plan's own)."""
     from flash_attn.cute import flash_attn_func
@@ -335,6 +394,7 @@ def main():
         "mixed": part_mixed,
         "alternate": lambda r, lg: part_alternate(r, lg, ids, args.rounds),
         "anatomy": part_anatomy,
+        "flags": lambda r, lg: part_flags(r, lg, args.rounds),
     }
     path = result_path(args.out, "fa4", res)
     for name in args.parts.split(","):

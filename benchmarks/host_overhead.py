@@ -57,6 +57,8 @@ def steps(small: bool) -> dict[str, tuple[sa.Batch, sa.LayerMask]]:
     images = [(200 // s + i * (n // 8), 200 // s + i * (n // 8) + 1120 // s - 1) for i in range(8)]
     mixed = [sa.Seq(q_len=2048 // s, kv_len=3000 // s, spans=[(2500 // s, 2779 // s)]) for _ in range(2)]
     mixed += [sa.Seq(q_len=1, kv_len=kv) for kv in kvs[:8]]
+    chunks = [sa.Seq(q_len=512 // s, kv_len=1024 // s)] * 2
+    flags = chunks + [sa.Seq(q_len=256 // s, kv_len=1024 // s, causal=False)] * 2
     return {
         "decode-64": (sa.Batch([sa.Seq(q_len=1, kv_len=kv) for kv in kvs]), sa.LayerMask()),
         "prefill-512": (sa.Batch([sa.Seq(512 // s)]), sa.LayerMask(spans="off")),
@@ -65,6 +67,7 @@ def steps(small: bool) -> dict[str, tuple[sa.Batch, sa.LayerMask]]:
             sa.LayerMask(window=128 // s, spans="clamp"),
         ),
         "mixed-4k": (sa.Batch(mixed), sa.LayerMask(window=1024 // s, spans="clamp")),
+        "chunks-and-canvases": (sa.Batch(flags), sa.LayerMask(spans="off")),  # fa4: a launch per flag
         "prefill-16k-images": (
             sa.Batch([sa.Seq(n, spans=images)]),
             sa.LayerMask(window=1024 // s, spans="clamp"),
@@ -183,7 +186,8 @@ def fa4_path(plan, q, k) -> str:
     from spanattn.backends import fa4
     from spanattn.backends.fa4_direct import Record
 
-    records = fa4._lowering(plan, q, k)[0].records.values()
+    call = fa4._lowering(plan, q, k)[0]
+    records = [r for c in getattr(call, "calls", [call]) for r in c.records.values()]  # a call per flag
     return "+".join(sorted({"direct" if isinstance(r, Record) and r.trusted else "public" for r in records}))
 
 

@@ -11,7 +11,7 @@ from strategies import batches, grouped_batches, layers
 from test_tiles import packed_dense
 
 import spanattn as sa
-from spanattn.backends import fa4
+from spanattn.backends import fa4, fa4_flags
 
 
 def interval_mask_mod(kv, lo, width):
@@ -117,18 +117,37 @@ def test_kv_tile_follows_fa4_sm90_tiles():
         ([sa.Seq(100)], sa.LayerMask(window=16), True),
         ([sa.Seq(100, spans=[(10, 30)])], sa.LayerMask(spans="off"), True),
         ([sa.Seq(100, spans=[(10, 30)])], sa.LayerMask(window=16), False),
-        ([sa.Seq(100), sa.Seq(8, causal=False)], sa.LayerMask(), False),
+        ([sa.Seq(100), sa.Seq(8, causal=False)], sa.LayerMask(), True),
+        ([sa.Seq(30, kv_len=90), sa.Seq(8, kv_len=50, causal=False)], sa.LayerMask(window=16), True),
+        ([sa.Seq(8, kv_len=50, causal=False)], sa.LayerMask(window=16, noncausal_window="inclusive"), True),
+        ([sa.Seq(8, kv_len=50, causal=False, spans=[(45, 49)])], sa.LayerMask(), False),
     ],
 )
 def test_builtin_path_only_when_the_mask_is_fa4s_own(seqs, layer, builtin):
     plan = sa.plan(sa.Batch(seqs), layer)
     assert fa4.builtin(plan) is builtin
-    if builtin:  # FA4's bottom-right causal mask, with a window of W keys incl. self
-        w = layer.window or 10**9
+    if builtin:  # FA4's bottom-right mask with each flag's launch's window (left, right)
         for i, s in enumerate(plan.batch.seqs):
+            left, right = fa4_flags.window(plan, s.causal)
+            left, right = left or 10**9, 0 if s.causal else (right or 10**9)
             q = torch.arange(s.q_len)[:, None] + s.kv_len - s.q_len
             k = torch.arange(s.kv_len)[None, :]
-            assert torch.equal(plan.to_dense(i), (k <= q) & (k > q - w))
+            assert torch.equal(plan.to_dense(i), (k <= q + right) & (k >= q - left))
+
+
+def test_one_launch_per_flag_the_longer_walks_first():
+    step = lambda layer, *seqs: sa.plan(sa.Batch(list(seqs)), layer)
+    chunks = [sa.Seq(2048, kv_len=4096)] * 2
+    canvases = [sa.Seq(256, kv_len=4096, causal=False)] * 2
+    assert fa4_flags.flags(step(sa.LayerMask(), *chunks, *canvases)) == (False, True)  # S4's shape
+    short_canvas = step(sa.LayerMask(), *chunks, sa.Seq(256, kv_len=512, causal=False))
+    assert fa4_flags.flags(short_canvas) == (True, False)
+    # a window bounds both: causal rows see W keys, non-causal 2W - 1
+    assert fa4_flags.flags(step(sa.LayerMask(window=64), sa.Seq(64, kv_len=4096), *canvases)) == (False, True)
+    assert fa4_flags.flags(step(sa.LayerMask(), *chunks)) == (True,)
+    plan = step(sa.LayerMask(), sa.Seq(5), sa.Seq(3, kv_len=9, causal=False), sa.Seq(2))
+    assert fa4_flags.used_queries(plan, True).tolist() == [5, 0, 2]
+    assert fa4_flags.used_queries(plan, False).tolist() == [0, 3, 0]
 
 
 def test_auto_passes_decode_and_copying_steps_to_triton():

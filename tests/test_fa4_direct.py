@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import spanattn as sa
-from spanattn.backends import fa4, fa4_direct
+from spanattn.backends import fa4, fa4_direct, fa4_flags
 from spanattn.backends.fa4_direct import PUBLIC, DirectCall, Record, same_bits
 
 
@@ -182,30 +182,42 @@ def fake_fa4_package(monkeypatch) -> dict:
     output shapes. Returns the call counts."""
     counts = {"public": 0, "kernel": 0}
 
-    def kernel(q, k, v, out, lse, scale, aux):
+    def kernel(q, k, v, out, lse, scale, aux, cu_q, used, causal):
         counts["kernel"] += 1
-        out.copy_(q.float() * scale + k.float().sum() + 2 * v.float().sum())
+        at = lambda a, n: torch.arange(a, a + n)
+        value = q.float() * scale + k.float().sum() + 2 * v.float().sum() + (not causal)  # +1: non-causal
+        rows = slice(None) if used is None else torch.cat([at(a, n) for a, n in zip(cu_q, used)])
+        out[rows] = value[rows].to(out.dtype)  # with seqused_q, only the rows it uses
         if lse is not None:
-            lse.copy_(q.float().sum(-1).transpose(-1, -2))
+            lse[..., rows] = q.float().sum(-1).transpose(-1, -2)[..., rows]
 
-    def fwd(q, k, v, softmax_scale, return_lse, aux):
+    def fwd(q, k, v, softmax_scale, return_lse, aux, out=None, lse=None, seqused_q=None, cu_seqlens_q=None,
+            causal=True):  # fmt: skip
         counts["public"] += 1
-        if (q.dim(), return_lse) not in fwd.compile_cache:
-            fwd.compile_cache[q.dim(), return_lse] = kernel
-        out = torch.empty_like(q)  # lse [Hq, rows] (varlen) or [1, Hq, rows]
-        lse = torch.empty(*q.shape[:-3], q.shape[-2], q.shape[-3]) if return_lse else None
-        fwd.compile_cache[q.dim(), return_lse](q, k, v, out, lse, softmax_scale, aux)
-        return out, lse
+        key, cache = (q.dim(), return_lse, causal), inner.compile_cache  # the one recordings swap
+        if key not in cache:
+            cache[key] = kernel
+        out = torch.empty_like(q) if out is None else out  # lse [Hq, rows] (varlen) or [1, Hq, rows]
+        if return_lse and lse is None:
+            lse = torch.empty(*q.shape[:-3], q.shape[-2], q.shape[-3])
+        cache[key](q, k, v, out, lse, softmax_scale, aux, cu_seqlens_q, seqused_q, causal)
+        return out, lse, None, None, None
 
-    def flash_attn_varlen_func(q, k, v, *, softmax_scale, return_lse, cu_seqlens_k, **_):
-        return fwd(q, k, v, softmax_scale, return_lse, [cu_seqlens_k])
+    def flash_attn_varlen_func(q, k, v, *, softmax_scale, return_lse, cu_seqlens_k, causal, **_):
+        return fwd(q, k, v, softmax_scale, return_lse, [cu_seqlens_k], causal=causal)[:2]
+
+    def inner(q, k, v, *, softmax_scale, return_lse, cu_seqlens_k, out=None, lse=None, seqused_q=None,
+              cu_seqlens_q=None, window_size_left=None, window_size_right=None, causal=False,
+              **_):  # fmt: skip
+        rows = dict(seqused_q=seqused_q, cu_seqlens_q=cu_seqlens_q)
+        return fwd(q, k, v, softmax_scale, return_lse, [cu_seqlens_k], out, lse, causal=causal, **rows)
 
     def flash_attn_func(q, k, v, *, softmax_scale, return_lse, aux_tensors, block_sparse_tensors, **_):
-        return fwd(q, k, v, softmax_scale, return_lse, aux_tensors + list(block_sparse_tensors[:4]))
+        return fwd(q, k, v, softmax_scale, return_lse, aux_tensors + list(block_sparse_tensors[:4]))[:2]
 
     interface = types.ModuleType("flash_attn.cute.interface")
-    fwd.compile_cache = Cache()
-    interface._flash_attn_fwd = fwd
+    inner.compile_cache = Cache()
+    interface._flash_attn_fwd = inner
     for fn in (flash_attn_func, flash_attn_varlen_func):
         fn.__module__ = interface.__name__
         setattr(interface, fn.__name__, fn)
@@ -216,6 +228,8 @@ def fake_fa4_package(monkeypatch) -> dict:
     package |= {interface.__name__: interface, block_sparsity.__name__: block_sparsity}
     for name, mod in package.items():
         monkeypatch.setitem(sys.modules, name, mod)
+    fa4_flags.inner_forward.cache_clear()
+    monkeypatch.setattr(fa4_flags, "inner_forward", fa4_flags.inner_forward)  # cleared again after
     return counts
 
 
@@ -237,17 +251,56 @@ def test_the_fa4_backend_calls_fa4s_kernel_directly(monkeypatch, case):
     assert counts == {"public": 2, "kernel": 4}
 
 
+def test_causal_and_noncausal_sequences_take_one_launch_each_into_one_output(monkeypatch):
+    """Chunks and canvases without spans: FA4's built-in kernel once per flag (the canvases'
+    longer walks first), each writing only its sequences' rows of the shared output and LSE;
+    both launches recorded, checked, then direct."""
+    counts = fake_fa4_package(monkeypatch)
+    seqs = [sa.Seq(40, kv_len=64), sa.Seq(8, kv_len=64, causal=False), sa.Seq(24, kv_len=32)]
+    plan = sa.plan(sa.Batch(seqs), sa.LayerMask(window=16))
+    assert fa4.builtin(plan) and fa4_flags.flags(plan) == (False, True) and fa4.copies(plan, 16)  # keys moved
+    canvas = torch.cat([torch.full((s.q_len,), float(not s.causal)) for s in seqs])[:, None, None]
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randint(-3, 4, (n, h, 16), generator=g).half() for n, h in
+                   ((plan.total_q, 4), (plan.total_k, 2), (plan.total_k, 2)))  # fmt: skip
+        out, lse = fa4.forward(q, k, v, plan, scale=0.5, return_lse=True)
+        assert torch.equal(out, (q.float() * 0.5 + k.float().sum() + 2 * v.float().sum() + canvas).half())
+        assert torch.equal(lse, q.float().sum(-1))
+    # per launch: recorded (1 public), checked (1 direct + 1 public into zeroed copies, then 1
+    # direct into the call's output), direct (1)
+    assert counts == {"public": 4, "kernel": 10}
+    calls = fa4._lowering(plan, q, k)[0].calls
+    assert [c.fixed["causal"] for c in calls] == [False, True]
+    assert [c.fixed["window_size"] for c in calls] == [(15, 15), (15, 0)]
+    assert all(isinstance(r, Record) and r.trusted for c in calls for r in c.records.values())
+
+
+def test_fa4_refuses_both_flags_without_a_shared_output_forward(monkeypatch):
+    fake_fa4_package(monkeypatch)
+    monkeypatch.setattr(fa4_flags, "inner_forward", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    plan = sa.plan(sa.Batch([sa.Seq(8), sa.Seq(8, causal=False)]), sa.LayerMask())
+    q = torch.empty(16, 2, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    assert "_flash_attn_fwd lacks" in fa4.unavailable(q, plan)
+    one_flag = sa.plan(sa.Batch([sa.Seq(8, causal=False)] * 2), sa.LayerMask())
+    assert fa4.unavailable(q, one_flag) is None
+
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 CASES = {  # built-in (keys moved onto tiles), sparse (spans, rows moved), sparse with span groups
     "builtin": ([(300, 900, []), (20, 50, [])], {}),
     "sparse": ([(300, 900, [(400, 699)]), (1, 50, [])], {"spans": "on"}),
     "groups": ([(1024, 1024, [(16, 271, 0), (288, 543, 0)])], {"window": 512, "spans": "clamp"}),
+    # built-in, one launch per causal flag into one output (keys moved onto tiles)
+    "flags": ([(300, 900, []), (256, 512, [], False), (40, 200, [])], {"window": 200}),
 }
 
 
 def step(case: str, device="cpu"):
     seqs, layer = CASES[case]
-    batch = sa.Batch([sa.Seq(q_len=n, kv_len=kv, spans=s) for n, kv, s in seqs])
+    batch = sa.Batch([sa.Seq(q_len=t[0], kv_len=t[1], spans=t[2], causal=(t + (True,))[3]) for t in seqs])
     return sa.plan(batch, sa.LayerMask(**layer), device=device)
 
 
@@ -266,6 +319,32 @@ def test_fa4_direct_calls_give_fa4s_own_bits(case, return_lse):
         want = fa4.forward(q, k, v, plan(), scale=0.1, return_lse=return_lse)  # a new plan: FA4's call
         assert all(map(same_bits, got, want))
     call = fa4._lowering(p, q, k)[0]
-    assert all(isinstance(r, Record) and r.trusted for r in call.records.values())
-    call.fn = None  # direct calls never reach FA4's public function
+    calls = getattr(call, "calls", [call])  # one per causal flag
+    assert all(isinstance(r, Record) and r.trusted for c in calls for r in c.records.values())
+    for c in calls:
+        c.fn = None  # direct calls never reach FA4's public function
     assert same_bits(fa4.forward(q, k, v, p, scale=0.1, return_lse=return_lse)[0], got[0])
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="a CUDA graph")
+def test_launches_per_flag_replay_in_a_cuda_graph():
+    """The flag launches' side stream forks from and joins the capturing stream: one graph
+    replays new inputs with FA4's bits."""
+    p = step("flags", DEV)
+    g = torch.Generator(device=DEV).manual_seed(1)
+    rand = lambda n, h: torch.randn(n, h, 128, generator=g, device=DEV, dtype=torch.bfloat16)
+    q, k, v = rand(p.total_q, 4), rand(p.total_k, 2), rand(p.total_k, 2)
+    if fa4.unavailable(q, p):
+        pytest.skip(fa4.unavailable(q, p))
+    for _ in range(3):  # recorded, checked, direct: capture runs the direct calls
+        fa4.forward(q, k, v, p, scale=0.1, return_lse=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = fa4.forward(q, k, v, p, scale=0.1, return_lse=True)
+    for _ in range(2):
+        fresh = rand(p.total_q, 4), rand(p.total_k, 2), rand(p.total_k, 2)
+        for t, f in zip((q, k, v), fresh):
+            t.copy_(f)
+        graph.replay()
+        want = fa4.forward(*fresh, step("flags", DEV), scale=0.1, return_lse=True)  # FA4's own call
+        assert same_bits(out, want[0]) and same_bits(lse, want[1])

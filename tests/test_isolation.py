@@ -34,6 +34,7 @@ LAYERS = {
     "clamp": sa.LayerMask(window=16 if not CUDA else 200, spans="clamp"),
     "on": sa.LayerMask(spans="on"),
     "causal": sa.LayerMask(spans="off"),
+    "flags": sa.LayerMask(spans="off"),  # the same, the canvas non-causal: fa4 launches once per flag
     "groups": sa.LayerMask(spans="on"),  # the same steps with their images in span groups
 }
 # (victim, poison): every poison, victims at both ends and in the middle

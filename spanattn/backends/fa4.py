@@ -2,9 +2,12 @@
 
 Two paths, picked per plan:
 
-- built-in: when every sequence is causal and no span is active, the plan's mask IS FA4's own
-  bottom-right causal mask (a sliding window of W keys is ``window_size=(W - 1, 0)``), so the
-  step goes to ``flash_attn_varlen_func`` unchanged: FA4's fastest path, nothing to build.
+- built-in: when no span is active, the plan's mask IS FA4's own bottom-right causal mask for
+  causal sequences (a sliding window of W keys is ``window_size=(W - 1, 0)``) and its
+  non-causal one for the others (``(W - 1, W - 1)``, ``(W, W)`` for inclusive windows), so the
+  step goes to ``flash_attn_varlen_func`` unchanged when all sequences share a flag: FA4's
+  fastest path, nothing to build; a step of both flags takes one launch per flag into one
+  output (fa4_flags.py).
 - sparse: otherwise the packed step is ONE sequence of queries by keys (as in the flex
   backend) with an interval ``mask_mod`` (``alo[q] <= kv <= ahi[q]``, read from aux tensors as
   ``alo`` and ``ahi - alo``: one unsigned compare per score) and FA4 block-sparse tensors made
@@ -48,6 +51,7 @@ import sys
 import torch
 
 from ..aligned import aligned_layout, aligned_tile_tables, padded_rows, scatter_rows
+from . import fa4_flags
 from .fa4_direct import DirectCall
 
 BLOCK_M = 128  # FA4's SM90 query tile; its block sparsity needs a multiple of it
@@ -71,12 +75,10 @@ def _kv_tile(head_dim: int, windowed: bool = False, builtin: bool = False) -> in
 
 
 def builtin(plan) -> bool:
-    """Is the plan's mask FA4's own causal (or causal sliding-window) mask?"""
+    """Is the plan's mask FA4's own (causal or not per sequence, with or without a window)?"""
 
     def build():  # once per plan: every call asks
-        seqs = plan.batch.seqs
-        no_spans = plan.layer.spans == "off" or not any(s.spans for s in seqs)
-        return no_spans and all(s.causal for s in seqs)
+        return plan.layer.spans == "off" or not any(s.spans for s in plan.batch.seqs)
 
     return plan.cached("fa4_builtin", build)
 
@@ -105,6 +107,8 @@ def unavailable(q, plan, **opts) -> str | None:
         return f"the sparse path uses FA4's SM90 tile shapes; this GPU is sm_{cap[0]}{cap[1]}"
     if cap != SM90 and plan.num_seqs > 1:
         return "several sequences in a step are kept apart on FA4's SM90 key tiles only"
+    if builtin(plan) and len(fa4_flags.flags(plan)) > 1 and fa4_flags.inner_forward() is None:
+        return f"causal and non-causal sequences: this FA4's _flash_attn_fwd lacks one of {fa4_flags.NEEDS}"
     return None
 
 
@@ -270,20 +274,23 @@ def _lowering(plan, q, k):
         # the object whose compile_cache FA4's public functions call through (None: not there)
         host = getattr(sys.modules[flash_attn_func.__module__], "_flash_attn_fwd", None)
         if builtin(plan):
-            w = plan.layer.window
             rows, cu_k = _builtin_keys(plan, d)
-            call = DirectCall(
-                flash_attn_varlen_func,
-                host,
+            lengths = dict(
                 cu_seqlens_q=plan.cu_seqlens_q,
                 cu_seqlens_k=cu_k,
                 max_seqlen_q=plan.max_seqlen_q,
                 max_seqlen_k=plan.max_seqlen_k,
                 seqused_k=None if rows.rows is None else plan.seq_lens,
-                causal=True,
-                window_size=(None, None) if w is None else (w - 1, 0),
             )  # lse [Hq, total_q]
-            return call, None, rows
+            flags = fa4_flags.flags(plan)
+            if len(flags) == 1:
+                mask = dict(causal=flags[0], window_size=fa4_flags.window(plan, flags[0]))
+                return DirectCall(flash_attn_varlen_func, host, **mask, **lengths), None, rows
+            per_flag = lambda c: dict(causal=c, window_size=fa4_flags.window(plan, c),
+                                      seqused_q=fa4_flags.used_queries(plan, c))  # fmt: skip
+            fwd = fa4_flags.shared_output_forward
+            calls = [DirectCall(fwd, host, **per_flag(c), **lengths) for c in flags]
+            return fa4_flags.FlagLaunches(calls), None, rows
         tables, aux = sparse_inputs(plan, d)
         layout = sparse_layout(plan, d)
         call = DirectCall(

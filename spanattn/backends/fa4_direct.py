@@ -87,50 +87,56 @@ class DirectCall:
 
         call = plan.cached(key, lambda: DirectCall(flash_attn_varlen_func, host, causal=True, ...))
         out, lse = call(q, k, v, scale, softcap, return_lse)
+
+    A ``fn`` that writes into a given output takes ``out=`` and ``lse=`` (fa4_flags.py): a call
+    passing them gets them back written, on the public function and directly alike.
     """
 
     def __init__(self, fn, host, **fixed):
         self.fn, self.host, self.fixed, self.records = fn, host, fixed, {}
 
-    def public(self, q, k, v, scale, softcap, return_lse):
-        return self.fn(q, k, v, softmax_scale=scale, softcap=softcap, return_lse=return_lse, **self.fixed)
+    def public(self, q, k, v, scale, softcap, return_lse, out=None, lse=None):
+        given = {} if out is None else {"out": out, "lse": lse}
+        kw = dict(softmax_scale=scale, softcap=softcap, return_lse=return_lse)
+        return self.fn(q, k, v, **kw, **given, **self.fixed)
 
-    def __call__(self, q, k, v, scale, softcap, return_lse):
+    def __call__(self, q, k, v, scale, softcap, return_lse, out=None, lse=None):
         key = (q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
-               q.device, scale, softcap, return_lse)  # fmt: skip
+               q.device, scale, softcap, return_lse, _spec(out), _spec(lse))  # fmt: skip
+        given = (out, lse)
         rec = self.records.get(key)
         if rec is PUBLIC or q.requires_grad or k.requires_grad or v.requires_grad:
-            return self.public(q, k, v, scale, softcap, return_lse)  # autograd needs FA4's Function
+            return self.public(q, k, v, scale, softcap, return_lse, *given)  # autograd needs FA4's Function
         if rec is None:
-            return self._record(key, q, k, v, scale, softcap, return_lse)
+            return self._record(key, q, k, v, scale, softcap, return_lse, given)
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & (rec.align - 1):
-            return self.public(q, k, v, scale, softcap, return_lse)  # FA4 would copy them
+            return self.public(q, k, v, scale, softcap, return_lse, *given)  # FA4 would copy them
         if not rec.trusted:
             checked = _verified.get(rec.key)
             if checked is None:
-                return self._verify(key, rec, q, k, v, scale, softcap, return_lse)
+                return self._verify(key, rec, q, k, v, scale, softcap, return_lse, given)
             if not checked:
                 self._give_up(key, "its compiled function failed the check for another plan")
-                return self.public(q, k, v, scale, softcap, return_lse)
+                return self.public(q, k, v, scale, softcap, return_lse, *given)
             rec.trusted = True
-        return direct(rec, q, k, v)
+        return direct(rec, q, k, v, *given)
 
     def _give_up(self, key, why: str) -> None:
         log.debug("fa4: FA4's public function for this plan's %s calls: %s", _shape(key), why)
         self.records[key] = PUBLIC
 
-    def _record(self, key, q, k, v, scale, softcap, return_lse):
+    def _record(self, key, q, k, v, scale, softcap, return_lse, given):
         if _aliased(q, k, v):  # which argument is which would be a guess: record another call
-            return self.public(q, k, v, scale, softcap, return_lse)
+            return self.public(q, k, v, scale, softcap, return_lse, *given)
         cache = getattr(self.host, "compile_cache", None)
         if cache is None:
             self._give_up(key, "no compile_cache to record the compiled call from")
-            return self.public(q, k, v, scale, softcap, return_lse)
+            return self.public(q, k, v, scale, softcap, return_lse, *given)
         with _recording:
             recorder = _Recorder(cache)
             self.host.compile_cache = recorder
             try:
-                out, lse = self.public(q, k, v, scale, softcap, return_lse)
+                out, lse = self.public(q, k, v, scale, softcap, return_lse, *given)
             finally:
                 self.host.compile_cache = cache
         try:
@@ -143,28 +149,32 @@ class DirectCall:
             self.records[key] = rec
         return out, lse
 
-    def _verify(self, key, rec, q, k, v, scale, softcap, return_lse):
+    def _verify(self, key, rec, q, k, v, scale, softcap, return_lse, given):
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return self.public(q, k, v, scale, softcap, return_lse)  # comparing would sync
+            return self.public(q, k, v, scale, softcap, return_lse, *given)  # comparing would sync
+        # a given output holds other launches' rows too: both sides write into zeroed copies
+        scratch = lambda: tuple(None if t is None else torch.zeros_like(t) for t in given)
         try:
-            got = direct(rec, q, k, v)
+            got = direct(rec, q, k, v, *scratch())
         except Exception as e:
             got = e
-        want = self.public(q, k, v, scale, softcap, return_lse)
+        want = self.public(q, k, v, scale, softcap, return_lse, *scratch())
         ok = not isinstance(got, Exception) and all(map(same_bits, got, want))
         _verified[rec.key] = ok
         if not ok:
             why = f"raised {type(got).__name__}: {got}" if isinstance(got, Exception) else "gave other bits"
             self._give_up(key, f"its first direct call {why} (checked against the public function)")
-            return want
+            return want if given[0] is None else self.public(q, k, v, scale, softcap, return_lse, *given)
         rec.trusted = True
-        return got
+        return got if given[0] is None else direct(rec, q, k, v, *given)
 
 
-def direct(rec: Record, q, k, v):
-    """The recorded compiled function on this call's tensors, out and lse allocated as FA4 did."""
-    out = _empty(*rec.out)
-    lse = None if rec.lse is None else _empty(*rec.lse)
+def direct(rec: Record, q, k, v, out=None, lse=None):
+    """The recorded compiled function on this call's tensors, out and lse allocated as FA4 did
+    unless given (then of the recorded shape: the call's key holds it)."""
+    if out is None:
+        out = _empty(*rec.out)
+        lse = None if rec.lse is None else _empty(*rec.lse)
     tensors = (q, k, v, out, lse)
     args = rec.args.copy()
     for i, j in rec.slots:
@@ -198,13 +208,12 @@ def record(calls: list, tensors: tuple) -> Record | str:
     missing = set(mine.values()) - {j for _, j in slots}
     if missing:
         return f"{', '.join(NAMES[j] for j in sorted(missing))} not passed as such (copied?)"
-    spec = lambda t: None if t is None else (t.shape, t.stride(), t.dtype, t.device)
     align = MAX_ALIGN
     for t in tensors[:3]:
         while t.data_ptr() % align:
             align //= 2
     hash(key)  # a key that cannot be one raises here, before it is trusted
-    return Record(key, fn, args, tuple(slots), spec(tensors[3]), spec(tensors[4]), align)
+    return Record(key, fn, args, tuple(slots), _spec(tensors[3]), _spec(tensors[4]), align)
 
 
 def _constant(a, storages: dict, depth: int = 0) -> str | None:
@@ -222,6 +231,10 @@ def _constant(a, storages: dict, depth: int = 0) -> str | None:
 
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
+
+
+def _spec(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
 def _empty(shape, stride, dtype, device) -> torch.Tensor:
