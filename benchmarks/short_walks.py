@@ -8,7 +8,10 @@ fa4 backend.
 Efficiency (DESIGN.md section 5): TFLOP/s over the step's allowed pairs divided by FA4's built-in
 causal/window kernel's TFLOP/s over its own pairs, on the step's causal twin (every sequence
 causal, spans off, the same window: what it can run), per round, medians over rounds; 1.0 = as
-well as FA4's plain kernel. Each contender is checked first on the scenario scaled down 8x
+well as FA4's plain kernel. In a round each contender times a block of calls (``do_bench``),
+the order rotating; ``--timing turns`` has them take turns call by call instead, which removes
+the drift between blocks but runs every call at a clock the contenders share (the H200 gives
+kernels different clocks: clocks.py). Each contender is checked first on the scenario scaled down 8x
 (fresh inputs, NaN-poisoned outputs, DESIGN.md section 4's rule) and, at full size, the
 persistent launch must equal the one-program-per-item launch bit for bit. Without a GPU it runs
 the triton backend alone at ``--scale 64`` (a smoke run). Writes
@@ -27,6 +30,7 @@ import torch
 
 import spanattn as sa
 from spanattn.bench.report import environment, result_path
+from spanattn.bench.timing import turns_ms
 from spanattn.oracle import Truth
 from spanattn.scenarios import HKV, HQ, scenarios
 
@@ -139,7 +143,14 @@ def run_case(sid: str, d: int, args, device: str, dtype) -> dict:
     for n in names:  # tables, compilation and FA4's recorded call outside every round
         timed[n][0]()
     rounds = {n: [] for n in names}
-    for r in range(args.rounds):
+    if args.timing == "turns":
+        fns = {n: timed[n][0] for n in names}
+        fastest = min(_time_ms(f, device, 1) for f in fns.values())
+        calls = max(5, min(200, round(args.reps * 10 / max(fastest, 1e-3))))  # ~reps * 10 ms each
+        for r in range(args.rounds):
+            for n, ms in turns_ms(fns, device, calls, first=r).items():
+                rounds[n].append(statistics.median(ms))
+    for r in range(args.rounds if args.timing == "blocks" else 0):
         for n in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
             rounds[n].append(_time_ms(timed[n][0], device, args.reps))
     for n in names:
@@ -210,7 +221,15 @@ def main(argv=None) -> int:
         "scenario's head_dims (S1-256); default all of S0-S5",
     )
     ap.add_argument("--rounds", type=int, default=7, help="alternating rounds per step")
-    ap.add_argument("--reps", type=int, default=10, help="calls per timing (CUDA: ~10 ms of them)")
+    ap.add_argument("--reps", type=int, default=10, help="a contender's time per round, in 10 ms")
+    ap.add_argument(
+        "--timing",
+        choices=("turns", "blocks"),
+        default="blocks",
+        help="blocks: each contender times a block of calls in turn (do_bench), each at the clock "
+        "the GPU gives it alone; turns: they take turns call by call (spanattn.bench.timing.turns_ms), "
+        "at a clock they share",
+    )
     ap.add_argument("--scale", type=int, default=None, help="divide token counts (default 1; 64 on CPU)")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -230,7 +249,7 @@ def main(argv=None) -> int:
             continue
         rows.append(run_case(sid, d, args, device, dtype))
         print(_line(rows[-1]), flush=True)
-        meta = {**env, "scale": args.scale, "rounds": args.rounds, "targets": TARGETS}
+        meta = {**env, "scale": args.scale, "rounds": args.rounds, "timing": args.timing, "targets": TARGETS}
         path.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -46,6 +46,44 @@ def _events_ms(fn, reps):
     return statistics.median(times)
 
 
+def turns_ms(fns: dict, device, calls: int, first: int = 0) -> dict[str, list[float]]:
+    """Milliseconds of each of ``calls`` calls of each ``fns[name]()``, the contenders taking turns
+    call by call (who opens a turn rotates, starting at ``first``), so that clock and power
+    drifts reach every contender alike: timed in blocks of ~100 ms of calls, one after another,
+    FA4's plain kernel spread over 6.52-7.06 ms in the 7 rounds of one call on the H200 (S2 d128
+    in results/2026-12-04-short-walks-all-7-rounds-h200.json); the fa4 backend on S0 (FA4's own
+    kernel) came out at 1.000 / 1.001 of FA4's call in turns, 1.001 / 1.017 in blocks (d128 /
+    d256; twins of one call on S2 still differed by 0.5-1.2% in either). The price: a call then
+    runs at a clock its neighbours set too, and the H200 clocks kernels differently
+    (benchmarks/clocks.py), so a kernel the GPU clocks lower when it runs alone gains here (FA4's
+    sparse call with its query tiles dealt longest first: +2% in turns, -1% in blocks and back
+    to back: results/2026-12-04-fa4-chunk-order-h200.json). CUDA: events around each call, L2
+    flushed before it (as ``do_bench`` does); the queue is never drained between calls. CPU: wall
+    clock around each call. Call every ``fn`` once before (compilation, caches)."""
+    names = list(fns)
+    cuda = torch.device(device).type == "cuda"
+    flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=device) if cuda else None
+    marks = {n: [] for n in names}
+    for t in range(calls):
+        k = (first + t) % len(names)
+        for n in names[k:] + names[:k]:
+            if cuda:
+                flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fns[n]()
+                end.record()
+                marks[n].append((start, end))
+            else:
+                t0 = time.perf_counter()
+                fns[n]()
+                marks[n].append((time.perf_counter() - t0) * 1e3)
+    if not cuda:
+        return marks
+    torch.cuda.synchronize(device)
+    return {n: [s.elapsed_time(e) for s, e in m] for n, m in marks.items()}
+
+
 def host_ms(fn, device, reps: int = 10) -> float:
     """Median wall milliseconds of ``fn()`` up to its device work being done: what a step pays
     to plan (host code, small kernels, host-to-device copies)."""
