@@ -30,11 +30,9 @@ import time
 from datetime import datetime
 
 import torch
-from short_walks import CASES, _builtin, _causal_twin, _check, _inputs, contenders  # this folder
+from short_walks import CASES, checked_contenders  # this folder
 
-import spanattn as sa
 from spanattn.bench.report import environment, result_path
-from spanattn.scenarios import scenarios
 
 SAMPLE_MS = 20
 QUERY = "timestamp,clocks.sm,power.draw.instant"  # power.draw: a 1 s average, idle mixed in
@@ -82,23 +80,7 @@ def back_to_back_ms(fn, seconds: float) -> tuple[float, float, float]:
 
 
 def run_case(sid: str, d: int, args, log) -> dict:
-    sc, small = scenarios()[sid], scenarios(8)[sid]
-    p = sa.plan(sc.batch, sc.layer, "cuda")
-    q, k, v = _inputs(p, d, torch.bfloat16, seed=0)
-    row = {"scenario": sid, "d": d, "allowed_pairs": p.allowed_pairs(), "contenders": {}}
-    timed = {}
-    for name, (runs, call) in contenders(d, "cuda").items():
-        if not runs(q, k, v, p):
-            row["contenders"][name] = {"status": "cannot run this step"}
-            continue
-        check = _check(runs, call, small, d, torch.bfloat16, "cuda")
-        row["contenders"][name] = {"check": check}
-        if check["ok"] is not False:
-            timed[name] = (lambda c=call: c(q, k, v, p), p.allowed_pairs())
-    builtin = _builtin(d)
-    if builtin is not None:
-        tp = sa.plan(*_causal_twin(sc), "cuda")
-        timed["fa4-builtin"] = (lambda: builtin(q, k, v, tp), tp.allowed_pairs())
+    row, timed = checked_contenders(sid, d, 1, "cuda", torch.bfloat16)
     names = list(timed)
     for n in names:
         timed[n][0]()
@@ -116,7 +98,7 @@ def run_case(sid: str, d: int, args, log) -> dict:
         if clocked:
             entry.update(mhz=statistics.median(x["mhz"] for x in clocked),
                          watts=statistics.median(x["watts"] for x in clocked))  # fmt: skip
-    light = row["contenders"].get("fa4-builtin", {})
+    light = row["contenders"].get("fa4-builtin")
     for n in [n for n in names if n != "fa4-builtin" and light]:
         e, pairs = row["contenders"][n], timed[n][1]
         ratio = (pairs / e["ms"]) / (timed["fa4-builtin"][1] / light["ms"])

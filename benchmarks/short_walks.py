@@ -115,10 +115,12 @@ def _time_ms(fn, device, reps: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / reps
 
 
-def run_case(sid: str, d: int, args, device: str, dtype) -> dict:
-    # checked scaled down 8x on the GPU (fp64 truth of a 32k step is heavy); a smoke run's steps
-    # are small already
-    sc, small = scenarios(args.scale)[sid], scenarios(args.scale * (8 if device == "cuda" else 1))[sid]
+def checked_contenders(sid: str, d: int, scale: int, device: str, dtype) -> tuple[dict, dict]:
+    """The step's row (each contender's check, or why it cannot run) and ``name -> (call(),
+    allowed pairs)`` of the contenders that passed, FA4's built-in kernel on the causal twin last
+    (``fa4-builtin``, where FA4 is here). Checked on the step scaled down 8x on the GPU (fp64
+    truth of a 32k step is heavy); a smoke run's steps are small already."""
+    sc, small = scenarios(scale)[sid], scenarios(scale * (8 if device == "cuda" else 1))[sid]
     p = sa.plan(sc.batch, sc.layer, device)
     q, k, v = _inputs(p, d, dtype, seed=0)
     row = {"scenario": sid, "d": d, "allowed_pairs": p.allowed_pairs(), "contenders": {}}
@@ -131,14 +133,18 @@ def run_case(sid: str, d: int, args, device: str, dtype) -> dict:
         row["contenders"][name] = {"check": check}
         if check["ok"] is not False:
             timed[name] = (lambda c=call: c(q, k, v, p), p.allowed_pairs())
+    builtin = _builtin(d) if device == "cuda" else None
+    if builtin is not None:
+        tp = sa.plan(*_causal_twin(sc), device)
+        timed["fa4-builtin"] = (lambda: builtin(q, k, v, tp), tp.allowed_pairs())
+    return row, timed
+
+
+def run_case(sid: str, d: int, args, device: str, dtype) -> dict:
+    row, timed = checked_contenders(sid, d, args.scale, device, dtype)
     if "triton, one program per item" in timed:
         a, b = (timed[n][0]() for n in ("triton", "triton, one program per item"))
         row["persistent_equals_per_item"] = bool(torch.equal(a, b))
-    builtin = _builtin(d) if device == "cuda" else None
-    if builtin is not None:
-        tb_batch, tb_layer = _causal_twin(sc)
-        tp = sa.plan(tb_batch, tb_layer, device)
-        timed["fa4-builtin"] = (lambda: builtin(q, k, v, tp), tp.allowed_pairs())
     names = list(timed)
     for n in names:  # tables, compilation and FA4's recorded call outside every round
         timed[n][0]()
