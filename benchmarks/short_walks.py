@@ -156,9 +156,10 @@ def run_case(sid: str, d: int, args, device: str, dtype) -> dict:
         for r in range(args.rounds):
             for n, ms in turns_ms(fns, device, calls, first=r).items():
                 rounds[n].append(statistics.median(ms))
-    for r in range(args.rounds if args.timing == "blocks" else 0):
-        for n in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
-            rounds[n].append(_time_ms(timed[n][0], device, args.reps))
+    else:
+        for r in range(args.rounds):
+            for n in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
+                rounds[n].append(_time_ms(timed[n][0], device, args.reps))
     for n in names:
         ms, pairs = statistics.median(rounds[n]), timed[n][1]
         entry = row["contenders"].setdefault(n, {})
