@@ -8,11 +8,11 @@ nvidia-smi samples ``clocks.sm`` and ``power.draw.instant`` every 20 ms.
 Why: these kernels run the H200 at its 700 W limit (715-731 W instantaneous on S2), and it does
 not give each the same clock: on S2 d128 FA4's sparse call settled at 1575 MHz and the same tiles
 dealt longest first (FA4's varlen form, query chunks as batches) at 1500 MHz, triton at 1590-1635,
-FA4's built-in kernel at 1575-1605; d256 kernels at 1470-1545 (results/2026-12-04-fa4-chunk-order-
-clocks-h200.json, 2026-12-04-clocks-*-h200.json). So a per-pair
-rate compares the work a kernel does per cycle and the clock it is given, and timing methods
-that mix contenders (spanattn.bench.timing.turns_ms) or run each alone (do_bench blocks) weigh
-the second differently. Reported per contender: ms per call, MHz, W, and the efficiency against
+FA4's built-in kernel at 1575-1605; d256 kernels at 1470-1545
+(results/2026-12-04-fa4-chunk-order-clocks-h200.json, 2026-12-04-clocks-*-h200.json). So a
+per-pair rate compares the work a kernel does per cycle and the clock it is given, and timing
+methods that mix contenders (spanattn.bench.timing.turns_ms) or run each alone (do_bench
+blocks) weigh the second differently. Reported per contender: ms per call, MHz, W, and the efficiency against
 the built-in kernel per second (as short_walks.py) and per cycle (rates divided by clocks).
 Each contender is checked first as in short_walks.py. Needs CUDA and nvidia-smi. Writes
 ``<date>-clocks-<gpu>.json``.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import shutil
 import statistics
 import subprocess
@@ -33,6 +34,7 @@ import torch
 from short_walks import CASES, checked_contenders  # this folder
 
 from spanattn.bench.report import environment, result_path
+from spanattn.bench.timing import rotated
 
 SAMPLE_MS = 20
 QUERY = "timestamp,clocks.sm,power.draw.instant"  # power.draw: a 1 s average, idle mixed in
@@ -86,10 +88,10 @@ def run_case(sid: str, d: int, args, log) -> dict:
         timed[n][0]()
     blocks = {n: [] for n in names}
     for r in range(args.rounds):
-        for n in names[r % len(names) :] + names[: r % len(names)]:
+        for n in rotated(names, r):
             blocks[n].append(back_to_back_ms(timed[n][0], args.seconds))
     log.flush()
-    samples = parse_samples(open(log.name).read().splitlines())
+    samples = parse_samples(pathlib.Path(log.name).read_text().splitlines())
     for n in names:
         runs = [{"ms": ms, **window(samples, t0, t1)} for ms, t0, t1 in blocks[n]]
         entry = row["contenders"].setdefault(n, {})
@@ -99,7 +101,9 @@ def run_case(sid: str, d: int, args, log) -> dict:
             entry.update(mhz=statistics.median(x["mhz"] for x in clocked),
                          watts=statistics.median(x["watts"] for x in clocked))  # fmt: skip
     light = row["contenders"].get("fa4-builtin")
-    for n in [n for n in names if n != "fa4-builtin" and light]:
+    for n in names if light else []:
+        if n == "fa4-builtin":
+            continue
         e, pairs = row["contenders"][n], timed[n][1]
         ratio = (pairs / e["ms"]) / (timed["fa4-builtin"][1] / light["ms"])
         e["efficiency"] = ratio

@@ -30,7 +30,7 @@ import torch
 
 import spanattn as sa
 from spanattn.bench.report import environment, result_path
-from spanattn.bench.timing import turns_ms
+from spanattn.bench.timing import rotated, turns_ms
 from spanattn.oracle import Truth
 from spanattn.scenarios import HKV, HQ, scenarios
 
@@ -158,7 +158,7 @@ def run_case(sid: str, d: int, args, device: str, dtype) -> dict:
                 rounds[n].append(statistics.median(ms))
     else:
         for r in range(args.rounds):
-            for n in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
+            for n in rotated(names, r):
                 rounds[n].append(_time_ms(timed[n][0], device, args.reps))
     for n in names:
         ms, pairs = statistics.median(rounds[n]), timed[n][1]

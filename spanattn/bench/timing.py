@@ -46,6 +46,12 @@ def _events_ms(fn, reps):
     return statistics.median(times)
 
 
+def rotated(names: list, r: int) -> list:
+    """``names`` starting at ``r`` (mod its length): who goes first moves by one each round."""
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
 def turns_ms(fns: dict, device, calls: int, first: int = 0) -> dict[str, list[float]]:
     """Milliseconds of each of ``calls`` calls of each ``fns[name]()``, the contenders taking turns
     call by call (who opens a turn rotates, starting at ``first``), so that clock and power
@@ -65,8 +71,7 @@ def turns_ms(fns: dict, device, calls: int, first: int = 0) -> dict[str, list[fl
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=device) if cuda else None
     marks = {n: [] for n in names}
     for t in range(calls):
-        k = (first + t) % len(names)
-        for n in names[k:] + names[:k]:
+        for n in rotated(names, first + t):
             if cuda:
                 flush.zero_()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
