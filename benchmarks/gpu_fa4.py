@@ -38,7 +38,7 @@ import spanattn as sa
 from spanattn.backends import fa4, fa4_flags
 from spanattn.backends import triton as tb
 from spanattn.bench.report import environment, result_path
-from spanattn.bench.timing import host_ms, kernel_ms, poison
+from spanattn.bench.timing import host_ms, kernel_ms, poison, rotated
 from spanattn.oracle import Truth
 from spanattn.scenarios import HKV, HQ, check_step, scenarios
 
@@ -271,7 +271,7 @@ def part_flags(res, log, rounds=7):
     fns["built-in (twin)"] = _fa4_builtin(twin, q, k, v, scale)
     times = {n: [] for n in fns}
     for r in range(rounds):
-        for n in list(fns)[r % len(fns) :] + list(fns)[: r % len(fns)]:  # who goes first rotates
+        for n in rotated(list(fns), r):  # who goes first rotates
             times[n].append(kernel_ms(fns[n], DEV))
     light, twin_ms = twin.allowed_pairs() / p.allowed_pairs(), times["built-in (twin)"]
     for n, ms in times.items():

@@ -42,6 +42,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import spanattn as sa  # noqa: E402
 from spanattn.bench.report import environment, result_path  # noqa: E402
+from spanattn.bench.timing import rotated  # noqa: E402
 
 HQ, HKV = 16, 8
 BACKENDS = ("triton", "fa4", "sdpa", "flex", "reference")
@@ -146,7 +147,7 @@ def time_calls(calls: dict, device, n: int, rounds: int = 3, cycles_per_ms: floa
     seen = {name: [] for name in names}
     guess = dict.fromkeys(names, 1.0)
     for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in rotated(names, r):
             seen[name].append(time_round(calls[name], device, n, cycles_per_ms, guess[name]))
             guess[name] = max(seen[name][-1]["host_ms"], 0.01)
     out = {}

@@ -26,6 +26,7 @@ import torch
 
 import spanattn as sa
 from spanattn.bench.report import environment, result_path
+from spanattn.bench.timing import rotated
 from spanattn.oracle import Truth
 from spanattn.scenarios import HKV, HQ
 
@@ -87,7 +88,7 @@ def run(d: int, lengths: list[int], rounds: int) -> dict:
         names = list(calls)
         args = (q, k, v, p)
         for r in range(rounds):
-            for n in names[r % len(names) :] + names[: r % len(names)]:
+            for n in rotated(names, r):
                 call = functools.partial(calls[n], *args)
                 times[n].append(do_bench(call, warmup=5, rep=60, return_mode="median"))
         row = {"keys": keys, "sequences": len(q_lens), "items": items}
