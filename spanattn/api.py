@@ -215,7 +215,8 @@ def attention(
         while a CUDA graph is captured, nor with a device plan (the engine's tables).
     backend: ``"auto"`` takes the first that can run this call of fa4 (CUDA, FlashAttention-4
         installed, head_dim <= 256), triton (CUDA), sdpa, reference, skipping one that declines
-        a step another runs better (fa4 leaves decode-shaped and ragged span steps to triton);
+        a step another runs better (fa4 leaves decode-shaped and ragged steps to triton, and on
+        Hopper the span steps triton's Gluon kernels run faster);
         a backend named explicitly runs or raises, never falls back.
     scale: softmax scale, default ``1 / sqrt(D)``. softcap: Gemma-2-style ``c * tanh(s / c)``.
 

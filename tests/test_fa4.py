@@ -167,6 +167,29 @@ def test_auto_passes_decode_and_copying_steps_to_triton():
     assert fa4.auto_declines(q, aligned) is None
 
 
+def test_auto_passes_steps_triton_runs_faster(monkeypatch):
+    """Where the Gluon kernels would run the step (as on an H200), auto leaves fa4's sparse path
+    to them on sliding layers, above head_dim 128 and on short walks; long d128 global walks
+    and every step of FA4's own mask (no span active) stay on fa4."""
+    from spanattn.backends import triton as tb
+
+    monkeypatch.setattr(tb, "gluon_runs_for", lambda q, plan, cfg: True)
+    q = lambda d: torch.empty(0, 2, d, dtype=torch.bfloat16)
+    step = lambda layer, *seqs: sa.plan(sa.Batch(list(seqs)), layer)
+    long_prompt, short_prompt = sa.Seq(32768, spans=[(200, 1319)]), sa.Seq(8192, spans=[(200, 1319)])
+    global_layer, sliding = sa.LayerMask(spans="on"), sa.LayerMask(window=1024, spans="clamp")
+    assert fa4.auto_declines(q(128), step(global_layer, long_prompt)) is None  # walks 16k keys a row
+    assert "walking under" in fa4.auto_declines(q(128), step(global_layer, short_prompt))
+    assert "head_dim 256" in fa4.auto_declines(q(256), step(global_layer, long_prompt))
+    assert "sliding layer" in fa4.auto_declines(q(128), step(sliding, long_prompt))
+    for d in (128, 256):  # FA4's own kernels: no span active
+        assert fa4.auto_declines(q(d), step(sliding, sa.Seq(8192))) is None
+        assert fa4.auto_declines(q(d), step(global_layer, sa.Seq(8192))) is None
+    assert fa4.auto_declines(q(64), step(sliding, long_prompt)) is None  # no Gluon kernel at 64
+    monkeypatch.setattr(tb, "gluon_runs_for", lambda q, plan, cfg: False)
+    assert fa4.auto_declines(q(128), step(sliding, long_prompt)) is None
+
+
 def test_builtin_keys_start_on_fa4s_key_tiles():
     plan = sa.plan(
         sa.Batch([sa.Seq(30, kv_len=100), sa.Seq(5, kv_len=200), sa.Seq(1, kv_len=7)]), sa.LayerMask()

@@ -124,7 +124,8 @@ def auto_declines(q, plan, **opts) -> str | None:
     - steps with span groups: the group ``mask_mod`` reads a key's group per score on every
       PARTIAL tile; on the H200's 64-frame video steps fa4 ran 0.98x triton's time on the
       global layer but 1.07x on the clamped one, and its group tables took 5.2-5.5 ms to build
-      against triton's 2.4-2.7 (results/2026-12-01-groups-all-backends-h200.json).
+      against triton's 2.4-2.7 (results/2026-12-01-groups-all-backends-h200.json);
+    - steps that triton's Gluon kernels run faster (``gluon_runs_faster``).
     """
     try:
         from .triton.decode import MAX_Q_LEN
@@ -136,6 +137,40 @@ def auto_declines(q, plan, **opts) -> str | None:
         return "sequences would be copied onto tiles of their own; triton keeps them apart without a copy"
     if plan.groups is not None:
         return "span groups: triton's Gluon kernels walk them without a per-score lookup of key groups"
+    return gluon_runs_faster(q, plan)
+
+
+# Both backends through ``attention``, alternating on the H200, four calls (results/2026-12-04-
+# auto-choice-*-h200.json), triton's time over fa4's in blocks and in turns. Steps with active
+# spans (the sparse path): sliding layers S1 d128 / d256 0.90-0.94 / 0.93-0.95 (32k tokens),
+# 0.90-0.98 / 0.95-0.96 (8k); global layers at d256 0.95-0.98 (32k), 0.88-0.91 (8k); at d128
+# 1.01-1.03 (32k: rows walk 16k keys on average), 0.96-0.99 (16k: 8k keys), 0.92-0.94 (8k). FA4
+# deals a mask_mod call's tiles in ascending order (the longest last) and pays each launch's
+# tail; the persistent Gluon kernels deal the longest first and halve a short step's last
+# items. FA4's own kernels (no span active) stay: S1's tokens without images at d128 0.97-0.99
+# (32k) but 1.03-1.17 (8k), at d256 1.00-1.02 / 1.04-1.08; plain causal (S0) 1.00-1.05; S4 1.02-1.03.
+LONG_WALK = 12288
+
+
+def gluon_runs_faster(q, plan) -> str | None:
+    """Why triton would run this sparse-path step faster, on a Gluon kernel (None: fa4 is not
+    slower, or the step is FA4's own mask): a sliding layer, a head_dim above 128 or rows
+    walking fewer than ``LONG_WALK`` keys on average."""
+    if builtin(plan):
+        return None
+    try:
+        from .triton import gluon_runs_for
+        from .triton.configs import pick_gluon
+    except ImportError:  # no triton
+        return None
+    cfg = pick_gluon(q.shape[-1], q.dtype)
+    if cfg is None or not gluon_runs_for(q, plan, cfg):
+        return None
+    faster = "triton's Gluon kernels run it faster"
+    if plan.layer.window is not None or q.shape[-1] > 128:
+        return f"spans on a sliding layer or at head_dim {q.shape[-1]} > 128: {faster}"
+    if fa4_flags.mean_walk(plan.batch.seqs, plan.layer) < LONG_WALK:
+        return f"spans on rows walking under {LONG_WALK} keys on average: {faster}"
     return None
 
 

@@ -44,22 +44,27 @@ def inner_forward():
     return fwd if all(n in params for n in NEEDS) else None
 
 
+def keys_per_row(s, layer) -> float:
+    """About how many keys a row of sequence ``s`` walks under ``layer``, spans left out (host
+    arithmetic on the batch: no device sync)."""
+    w = layer.window
+    if s.causal:  # row i sees kv_len - q_len + i + 1 keys, at most W
+        mean = s.kv_len - (s.q_len - 1) / 2
+        return mean if w is None else min(mean, w)
+    wide = layer.noncausal_window == "inclusive"
+    return s.kv_len if w is None else min(s.kv_len, 2 * w + (1 if wide else -1))
+
+
+def mean_walk(seqs, layer) -> float:
+    """``keys_per_row`` averaged over the rows of ``seqs``."""
+    return sum(keys_per_row(s, layer) * s.q_len for s in seqs) / max(1, sum(s.q_len for s in seqs))
+
+
 def flags(plan) -> tuple[bool, ...]:
     """The causal flags of the plan's sequences, one launch each, the launch whose rows walk more
-    keys on average first (host arithmetic on the batch: no device sync)."""
-    w, seqs = plan.layer.window, plan.batch.seqs
-    wide = plan.layer.noncausal_window == "inclusive"
-
-    def keys_per_row(s) -> float:
-        if s.causal:  # row i sees kv_len - q_len + i + 1 keys, at most W
-            mean = s.kv_len - (s.q_len - 1) / 2
-            return mean if w is None else min(mean, w)
-        return s.kv_len if w is None else min(s.kv_len, 2 * w + (1 if wide else -1))
-
-    def walk(c):
-        rows = [s for s in seqs if s.causal == c]
-        return sum(keys_per_row(s) * s.q_len for s in rows) / max(1, sum(s.q_len for s in rows))
-
+    keys on average first."""
+    seqs = plan.batch.seqs
+    walk = lambda c: mean_walk([s for s in seqs if s.causal == c], plan.layer)
     present = {s.causal for s in seqs}
     return tuple(sorted(present, key=walk, reverse=True))
 
