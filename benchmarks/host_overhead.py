@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import spanattn as sa  # noqa: E402
-from spanattn.bench.report import environment, result_path  # noqa: E402
+from spanattn.bench.report import environment, pyplot, result_path  # noqa: E402
 from spanattn.bench.timing import rotated  # noqa: E402
 
 HQ, HKV = 16, 8
@@ -264,12 +264,8 @@ def run(args):
 
 
 def write_png(path: Path, meta: dict, rows: list[dict]) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     ok = [r for r in rows if "host_ms" in r]
     cases = list(dict.fromkeys(r["scenario"] for r in ok))

@@ -161,12 +161,10 @@ def summarize_source(page_csv: str, top: int = 12) -> list[dict]:
 
 def write_png(path: Path, rows: list[dict]) -> bool:
     """Bars of the tensor pipes' busy share per step, one colour per kernel. False without matplotlib."""
-    try:
-        import matplotlib
+    from spanattn.bench.report import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     steps = list(dict.fromkeys(r["case"].split(":")[1] for r in rows))
     fig, ax = plt.subplots(figsize=(1.6 * len(steps) + 2, 4))

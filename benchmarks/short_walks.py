@@ -29,7 +29,7 @@ from dataclasses import replace
 import torch
 
 import spanattn as sa
-from spanattn.bench.report import environment, result_path
+from spanattn.bench.report import environment, pyplot, result_path
 from spanattn.bench.timing import rotated, turns_ms
 from spanattn.oracle import Truth
 from spanattn.scenarios import HKV, HQ, scenarios
@@ -187,12 +187,8 @@ def _line(row) -> str:
 
 
 def _draw(path, rows) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     names = [n for n in ("triton", "triton, one program per item", "fa4")
              if any("efficiency" in r["contenders"].get(n, {}) for r in rows)]  # fmt: skip

@@ -86,14 +86,23 @@ def write_json(path: Path, meta: dict, rows: list[dict]) -> None:
     path.write_text(json.dumps({**meta, "flops": FLOPS_NOTE, "rows": rows}, indent=1) + "\n")
 
 
-def write_png(path: Path, meta: dict, rows: list[dict]) -> bool:
-    """Grouped bars of TFLOP/s per (scenario, d), one colour per backend. False if no matplotlib."""
+def pyplot():
+    """matplotlib's pyplot drawing to files (the Agg backend), or None where matplotlib is
+    missing: the pictures are optional, the JSON is the result."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def write_png(path: Path, meta: dict, rows: list[dict]) -> bool:
+    """Grouped bars of TFLOP/s per (scenario, d), one colour per backend. False if no matplotlib."""
+    plt = pyplot()
+    if plt is None:
         return False
     ok = [r for r in rows if r.get("tflops")]
     cases = list(dict.fromkeys(f"{r['scenario']} d{r['d']}" for r in ok))
