@@ -28,7 +28,7 @@ from short_walks import _check, _inputs, _time_ms  # this folder
 
 import spanattn as sa
 from spanattn import api
-from spanattn.bench.report import environment, result_path
+from spanattn.bench.report import environment, pyplot, result_path
 from spanattn.bench.timing import rotated, turns_ms
 from spanattn.scenarios import scenarios
 
@@ -113,12 +113,8 @@ def _line(row) -> str:
 
 def draw(path, rows) -> None:
     """Triton's time over fa4's per step (blocks and turns), each bar's label auto's pick."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     rows = [r for r in rows if "triton_over_fa4_blocks" in r]
     if not rows:
@@ -135,9 +131,7 @@ def draw(path, rows) -> None:
     ax.set_ylim(0.8, 1.3)
     ax.set_xticks(range(len(rows)), [r["case"] for r in rows], rotation=30, fontsize=8)
     ax.set_ylabel("triton time / fa4 time (below 1: triton faster)")
-    ax.set_title(
-        "Which backend is faster per step, and what backend='auto' runs (medians of alternating rounds)"
-    )
+    ax.set_title("Which backend is faster per step, and what backend='auto' runs (medians over rounds)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -145,7 +139,7 @@ def draw(path, rows) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="folder for the JSON")
+    ap.add_argument("--out", required=True, help="folder for the JSON and PNG")
     names = [case_name(*c) for c in CASES]
     ap.add_argument("--cases", default="", help=f"comma-separated, of {', '.join(names)}; default all")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per step")
