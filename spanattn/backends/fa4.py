@@ -133,11 +133,14 @@ def auto_declines(q, plan, **opts) -> str | None:
         return None
     if plan.max_seqlen_q <= MAX_Q_LEN:
         return f"decode-shaped step (q_len <= {MAX_Q_LEN}): the split-KV kernel suits it better"
-    if copies(plan, q.shape[-1]):
-        return "sequences would be copied onto tiles of their own; triton keeps them apart without a copy"
     if plan.groups is not None:
         return "span groups: triton's Gluon kernels walk them without a per-score lookup of key groups"
-    return gluon_runs_faster(q, plan)
+    faster = gluon_runs_faster(q, plan)  # before copies: it builds no layout
+    if faster:
+        return faster
+    if copies(plan, q.shape[-1]):
+        return "sequences would be copied onto tiles of their own; triton keeps them apart without a copy"
+    return None
 
 
 # Both backends through ``attention``, alternating on the H200, four calls (results/2026-12-04-
