@@ -65,17 +65,17 @@ def run_case(name: str, sid: str, d: int, scale: int, args, device: str, dtype) 
     small_batch, small_layer = step(sid, scale * (8 if device == "cuda" else 1))
     small = argparse.Namespace(batch=small_batch, layer=small_layer)
     timed = {}
-    for name in FAST:
-        mod = sa.backends.load(name)
+    for backend in FAST:
+        mod = sa.backends.load(backend)
         runs = lambda q, k, v, p, mod=mod: mod.unavailable(q, p, softcap=None, return_lse=False) is None
-        call = lambda q, k, v, p, name=name: sa.attention(q, k, v, p, backend=name)
+        call = lambda q, k, v, p, b=backend: sa.attention(q, k, v, p, backend=b)
         if not runs(q, k, v, p):
-            row["backends"][name] = {"status": "cannot run this step"}
+            row["backends"][backend] = {"status": "cannot run this step"}
             continue
         check = _check(runs, call, small, d, dtype, device)
-        row["backends"][name] = {"check": check}
+        row["backends"][backend] = {"check": check}
         if check["ok"] is not False:
-            timed[name] = lambda c=call: c(q, k, v, p)
+            timed[backend] = lambda c=call: c(q, k, v, p)
     for fn in timed.values():  # compilation, tables and recorded calls outside the rounds
         fn()
     names = list(timed)
