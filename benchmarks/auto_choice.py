@@ -52,16 +52,11 @@ def step(sid: str, scale: int):
     return sc.batch, sc.layer
 
 
-def picked(q, plan) -> str:
-    """The backend ``attention(q, k, v, plan)`` runs (as api.run picks it)."""
-    return api._pick(q, plan, "auto", {"softcap": None, "return_lse": False}).__name__.rsplit(".", 1)[-1]
-
-
 def run_case(name: str, sid: str, d: int, scale: int, args, device: str, dtype) -> dict:
     batch, layer = step(sid, scale)
     p = sa.plan(batch, layer, device)
     q, k, v = _inputs(p, d, dtype, seed=0)
-    row = {"case": name, "d": d, "auto": picked(q, p), "backends": {}}
+    row = {"case": name, "d": d, "auto": api.auto_choice(q, p), "backends": {}}
     small_batch, small_layer = step(sid, scale * (8 if device == "cuda" else 1))
     small = argparse.Namespace(batch=small_batch, layer=small_layer)
     timed = {}

@@ -26,6 +26,7 @@ import time
 import torch
 
 import spanattn as sa
+from spanattn import api
 from spanattn.backends import fa4, flex
 from spanattn.bench.report import environment, result_path
 from spanattn.bench.timing import kernel_ms
@@ -68,19 +69,6 @@ def _builtin(p, q, k, v, scale):
     return lambda: flash_attn_varlen_func(q, k, v, **kw)
 
 
-def _auto_pick(p, q) -> str:
-    from spanattn import api
-
-    for name in api.AUTO_ORDER:
-        mod = sa.backends.load(name)
-        opts = {"scale": 1.0, "softcap": None, "return_lse": False}
-        if mod.unavailable(q, p, **opts) is None and not (
-            hasattr(mod, "auto_declines") and mod.auto_declines(q, p, **opts)
-        ):
-            return name
-    return "?"
-
-
 def bench(sid, sc, d, rounds, log):
     p = sa.plan(sc.batch, sc.layer, device=DEV)
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -105,7 +93,7 @@ def bench(sid, sc, d, rounds, log):
     row = {
         "scenario": sid,
         "d": d,
-        "auto_picks": _auto_pick(p, q),
+        "auto_picks": api.auto_choice(q, p),
         "fa4_path": "builtin" if fa4.builtin(p) else "sparse",
     }
     row["fa4_copies"] = fa4.copies(p, d)

@@ -132,6 +132,13 @@ def _pick(q, plan, backend: str, opts: dict):
     raise RuntimeError("no backend can run this call: " + "; ".join(reasons))
 
 
+def auto_choice(q, plan, softcap=None, return_lse=False) -> str:
+    """The name of the backend ``attention(q, k, v, plan)`` runs with ``backend="auto"`` (for
+    benchmarks and logs; raises as the call would where none can run it)."""
+    mod = _pick(q, plan, "auto", {"softcap": softcap, "return_lse": return_lse})
+    return mod.__name__.rsplit(".", 1)[-1]
+
+
 def _call_key(q, k, v, plan, block_table, backend, softcap, return_lse):
     """What the checks and the backend choice depend on, or None when some argument is not a
     tensor (then the checks say which)."""
