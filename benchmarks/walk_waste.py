@@ -3,7 +3,11 @@ the share of the (query, key) pairs in the key tiles a kernel walks that the ste
 Gluon kernels' tile tables on the step and for FA4's built-in kernel on the step's causal twin
 (its causal/window block range), and their ratio: the per-pair efficiency (short_walks.py's
 measure) that wasted pairs alone would give. Where it is near 1.0, both kernels waste alike and
-a measured efficiency below it is each walked tile's speed, not the tiles.
+a measured efficiency below it is each walked tile's speed, not the tiles. Also counted: the
+key tiles the Gluon kernel's two consumer warpgroups (half of a query tile's rows each) would
+walk if each walked only the tiles holding its own rows' keys, instead of its query tile's whole
+walk (FA4's two consumer warpgroups also walk their tile's whole range), and the efficiency
+wasted pairs alone would then give.
 
     python benchmarks/walk_waste.py --out results/ [--cases S1-256,S3-256] [--scale 1]
 
@@ -36,11 +40,30 @@ def ours(batch: sa.Batch, layer: sa.LayerMask, d: int) -> dict:
     plan = sa.plan(batch, layer, "cpu")
     sched = build_schedule(plan, cfg.block_m, cfg.block_n)
     key_tiles = int(sched.key_tiles().sum())
+    rows = cfg.block_m // 2  # a consumer warpgroup's
     return {
         "allowed": plan.allowed_pairs(),
         "walked": key_tiles * cfg.block_m * cfg.block_n,
         "key_tiles_per_query_tile": key_tiles / sched.num_tiles,
+        "walked_by_own_rows": consumer_tiles(plan, cfg.block_m, cfg.block_n) * rows * cfg.block_n,
     }
+
+
+def consumer_tiles(plan, block_m: int, block_n: int) -> int:
+    """Key tiles walked if each half of a ``block_m``-row query tile walked only the tiles from
+    the one holding its rows' smallest ``lo`` to the one holding their largest ``hi`` (a half
+    with no row of the sequence copies its last row's interval, as the kernel's rows past the
+    end do). Intervals only: a plan with span groups walks more (group_walk.py)."""
+    lo, hi = plan.lo.tolist(), plan.hi.tolist()
+    cu = plan.cu_seqlens_q.tolist()
+    tiles = 0
+    for a, b in zip(cu[:-1], cu[1:]):
+        for r0 in range(a, b, block_m // 2):
+            r1 = min(r0 + block_m // 2, b)
+            tiles += max(hi[r0:r1]) // block_n - min(lo[r0:r1]) // block_n + 1
+        if -(-(b - a) // (block_m // 2)) % 2:  # the last tile's second half: past the end
+            tiles += hi[b - 1] // block_n - lo[b - 1] // block_n + 1
+    return tiles
 
 
 def fa4_twin(lengths: list[tuple[int, int]], window: int | None, d: int) -> dict:
@@ -66,9 +89,14 @@ def case_row(sid: str, d: int, scale: int = 1) -> dict:
     mine = ours(sc.batch, sc.layer, d)
     twin = fa4_twin([(s.q_len, s.kv_len) for s in sc.batch.seqs], sc.layer.window, d)
     mine["useful"] = mine["allowed"] / mine["walked"]
+    mine["useful_own_rows"] = mine["allowed"] / mine["walked_by_own_rows"]
     twin["useful"] = twin["allowed"] / twin["walked"]
-    waste_only = mine["useful"] / twin["useful"]
-    return {"triton": mine, "fa4_builtin_twin": twin, "waste_only_efficiency": waste_only}
+    return {
+        "triton": mine,
+        "fa4_builtin_twin": twin,
+        "waste_only_efficiency": mine["useful"] / twin["useful"],
+        "waste_only_efficiency_own_rows": mine["useful_own_rows"] / twin["useful"],
+    }
 
 
 def main():
@@ -88,7 +116,9 @@ def main():
         mine, twin = r["triton"], r["fa4_builtin_twin"]
         print(f"{case}: triton {mine['useful']:.3f} of walked pairs allowed "
               f"({mine['key_tiles_per_query_tile']:.1f} key tiles per query tile), FA4 twin "
-              f"{twin['useful']:.3f}: waste alone {r['waste_only_efficiency']:.3f}")  # fmt: skip
+              f"{twin['useful']:.3f}: waste alone {r['waste_only_efficiency']:.3f}; consumers walking "
+              f"their own rows' tiles {mine['useful_own_rows']:.3f}: "
+              f"{r['waste_only_efficiency_own_rows']:.3f}")  # fmt: skip
     env = environment("cpu")
     result = {**env, "scale": args.scale, "fa4_tiles": {"m": FA4_TILE_M, "n": FA4_TILE_N}, "cases": rows,
               "notes": __doc__}  # fmt: skip

@@ -37,7 +37,9 @@ def test_fa4_chunks_see_their_cached_keys_and_last_tiles_count_whole(script):
 def test_ours_on_a_causal_step_walks_what_fa4_walks_at_d128(script):
     # 512 causal tokens in 128 x 128 tiles: query tile i walks i + 1 key tiles in both kernels
     got = script.ours(sa.Batch([sa.Seq(q_len=512)]), sa.LayerMask(), 128)
-    assert got == {"allowed": 512 * 513 // 2, "walked": 10 * 128 * 128, "key_tiles_per_query_tile": 2.5}
+    want = {"allowed": 512 * 513 // 2, "walked": 10 * 128 * 128, "key_tiles_per_query_tile": 2.5}
+    # each half of a tile ends on the diagonal tile and starts at key 0: nothing to trim
+    assert got == want | {"walked_by_own_rows": 20 * 64 * 128}
     assert script.fa4_twin([(512, 512)], None, 128) == {"allowed": 512 * 513 // 2, "walked": 10 * 128 * 128}
 
 
@@ -52,3 +54,18 @@ def test_run_writes_its_json_and_refuses_head_dims_fa4_lacks(script, monkeypatch
     monkeypatch.setattr(sys, "argv", ["walk_waste.py", "--out", str(tmp_path), "--cases", "S5-512"])
     with pytest.raises(SystemExit):
         script.main()
+
+
+def test_consumers_walking_their_own_rows_skip_the_window_edges_tiles(script):
+    # window 256 in 128-row tiles of 64 keys (d256): from the third query tile on, the tile walks
+    # 6 key tiles, its first half ending a tile before the last, its second half starting a
+    # tile after the first (5 each); tiles 0 / 1 walk 2 / 4, their halves 1 + 2 / 3 + 4
+    layer = sa.LayerMask(window=256)
+    plan = sa.plan(sa.Batch([sa.Seq(q_len=1024)]), layer, "cpu")
+    assert script.consumer_tiles(plan, 128, 64) == 3 + 7 + 6 * 10
+    got = script.ours(sa.Batch([sa.Seq(q_len=1024)]), layer, 256)
+    assert got["walked"] == (2 + 4 + 6 * 6) * 128 * 64 and got["walked_by_own_rows"] == 70 * 64 * 64
+    # 960 tokens: the last tile's second half holds no query and walks its last row's keys
+    # (704-959: tiles 11-14), the first half tiles 10-14 (keys 641-959)
+    plan = sa.plan(sa.Batch([sa.Seq(q_len=960)]), layer, "cpu")
+    assert script.consumer_tiles(plan, 128, 64) == 3 + 7 + 5 * 10 + 5 + 4
