@@ -12,7 +12,7 @@ wins the timing.
     python benchmarks/compile_stats.py --d 512 --paged 16 --configs 64,32,8,2,0,1,1,1  # over pages
     python benchmarks/compile_stats.py --shipped   # every variant configs.pick(_gluon) hands out
 
-A config is BLOCK_M,BLOCK_N,num_warps,num_stages,one_loop,dv_split,tma,gluon,persistent,trim (configs.Config's
+A config is BLOCK_M,BLOCK_N,num_warps,num_stages,one_loop,dv_split,tma,gluon (configs.Config's
 order; trailing fields may be left out). With gluon set, the Gluon kernel for head_dim and
 BLOCK_M (the triton backend's GLUON_KERNELS) is compiled instead, at BLOCK_N and num_stages (its
 warps are fixed; ptxas reports the launch's registers per thread, which its consumer warps raise
@@ -127,8 +127,6 @@ def gluon_stats(cfg: Config, d: int, page: int = 0, groups: str = "") -> dict:
         "GROUPS": bool(groups), "CLAMP": groups == "clamp", "CONSUMER_REGS": parts.CONSUMER_REGS,
         "PRODUCER_REGS": parts.PRODUCER_REGS,
     }  # fmt: skip
-    if "TRIM" in sig:  # as GluonLaunch passes it
-        const["TRIM"] = cfg.trim and not groups
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=const, attrs=divisible(sig))
     return _report(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}))
 
@@ -190,16 +188,13 @@ def shipped() -> list[tuple[int, Config, int, str]]:
     """(head_dim, config, page size, span groups) of every kernel variant configs.pick and
     pick_gluon hand out for bf16 on a Hopper GPU: each head_dim's Gluon kernel, its global and
     short-window configs on packed K/V (TMA) and their pointer-load forms over 16-token pages,
-    the Gluon kernels with span groups ("on": global, "clamp": short window) and at d128 / d256
-    with their consumers walking their own rows' tiles (``Config.trim``), packed and paged; and
-    kernel.py with span groups (GPUs without the Gluon kernels) at d128 and d256, packed."""
+    the Gluon kernels with span groups ("on": global, "clamp": short window); and kernel.py with
+    span groups (GPUs without the Gluon kernels) at d128 and d256, packed."""
     out = []
     for d in (64, 128, 256, 512):
         gcfg = pick_gluon(d, torch.bfloat16)
         if gcfg:  # on packed K/V, reading 16-token pages, with span groups
             out += [(d, gcfg, 0, ""), (d, gcfg, 16, ""), (d, gcfg, 0, "on"), (d, gcfg, 16, "clamp")]
-        if gcfg and d in (128, 256):
-            out += [(d, replace(gcfg, trim=True), page, "") for page in (0, 16)]
         kinds = {pick(d, torch.bfloat16, False), pick(d, torch.bfloat16, False, window=1024)}
         for cfg in sorted(kinds, key=repr):
             out.append((d, cfg, 0, ""))
@@ -217,7 +212,7 @@ def main():
     ap.add_argument("--d", type=int, default=128, help="head_dim")
     ap.add_argument("--paged", type=int, default=0, help="page size (0: packed K/V)")
     ap.add_argument("--groups", choices=["", "on", "clamp"], default="", help="compile with span groups")
-    fields = "BLOCK_M,BLOCK_N,warps,stages,one_loop,dv_split,tma,gluon,persistent,trim"
+    fields = "BLOCK_M,BLOCK_N,warps,stages,one_loop,dv_split,tma,gluon"
     ap.add_argument("--configs", nargs="+", help=fields)
     ap.add_argument("--shipped", action="store_true", help="every shipped config, one JSON line each")
     a = ap.parse_args()

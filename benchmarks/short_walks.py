@@ -1,8 +1,7 @@
 """How well each useful pair is computed on the standard scenarios, against FA4's built-in kernel,
 in one call with the contenders alternating: the triton backend as it runs by default (the Gluon
-kernels' persistent launch on Hopper), the same kernels with one program per work item, at d128
-and d256 the same kernel with each consumer warpgroup walking only its own rows' key tiles
-(``Config.trim``, gluon_trim.py), and the fa4 backend.
+kernels' persistent launch on Hopper), the same kernels with one program per work item, and the
+fa4 backend.
 
     python benchmarks/short_walks.py --out results/ [--rounds 7] [--scenarios S1,S3-256] [--scale 1]
 
@@ -14,8 +13,7 @@ the order rotating; ``--timing turns`` has them take turns call by call instead,
 the drift between blocks but runs every call at a clock the contenders share (the H200 gives
 kernels different clocks: clocks.py). Each contender is checked first on the scenario scaled down 8x
 (fresh inputs, NaN-poisoned outputs, DESIGN.md section 4's rule) and, at full size, the
-persistent launch must equal the one-program-per-item launch bit for bit, and the trimmed walk
-the whole one (``own_tiles_equal_whole``). Without a GPU it runs
+persistent launch must equal the one-program-per-item launch bit for bit. Without a GPU it runs
 the triton backend alone at ``--scale 64`` (a smoke run). Writes
 ``<date>-short-walks-<gpu>.json`` and a PNG of the efficiencies.
 """
@@ -39,7 +37,6 @@ from spanattn.scenarios import HKV, HQ, scenarios
 CASES = [("S0", 128), ("S0", 256), ("S1", 128), ("S1", 256), ("S2", 128), ("S2", 256), ("S3", 256),
          ("S4", 128), ("S5", 512)]  # fmt: skip
 TARGETS = {"triton": 0.95, "best": 1.0}
-OWN_TILES = "triton, consumers' own tiles"
 
 
 def _inputs(plan, d, dtype, seed):
@@ -69,12 +66,6 @@ def contenders(d: int, device: str) -> dict:
             lambda q, k, v, p: tb.uses_gluon(q, k, v, p, cfg),
             lambda q, k, v, p: tb.forward(q, k, v, p, scale=scale, config=per_item)[0],
         )  # fmt: skip
-        if d in (128, 256):  # kernel_gluon.py's consumers hold 64 rows each (d512's all 64)
-            own = replace(cfg, trim=True)
-            out[OWN_TILES] = (
-                lambda q, k, v, p: tb.uses_gluon(q, k, v, p, own),
-                lambda q, k, v, p: tb.forward(q, k, v, p, scale=scale, config=own)[0],
-            )  # fmt: skip
     if device == "cuda" and d <= 256:
         from spanattn.backends import fa4
 
@@ -154,9 +145,6 @@ def run_case(sid: str, d: int, args, device: str, dtype) -> dict:
     if "triton, one program per item" in timed:
         a, b = (timed[n][0]() for n in ("triton", "triton, one program per item"))
         row["persistent_equals_per_item"] = bool(torch.equal(a, b))
-    if OWN_TILES in timed:
-        a, b = (timed[n][0]() for n in ("triton", OWN_TILES))
-        row["own_tiles_equal_whole"] = bool(torch.equal(a, b))
     names = list(timed)
     for n in names:  # tables, compilation and FA4's recorded call outside every round
         timed[n][0]()
@@ -202,7 +190,7 @@ def _draw(path, rows) -> None:
     plt = pyplot()
     if plt is None:
         return
-    names = [n for n in ("triton", "triton, one program per item", OWN_TILES, "fa4")
+    names = [n for n in ("triton", "triton, one program per item", "fa4")
              if any("efficiency" in r["contenders"].get(n, {}) for r in rows)]  # fmt: skip
     cases = [r for r in rows if any("efficiency" in r["contenders"].get(n, {}) for n in names)]
     if not cases:

@@ -335,44 +335,6 @@ def test_halved_items_store_what_whole_items_would(layer, page, monkeypatch):
         assert torch.equal(replayed, out)
 
 
-@hopper_only
-@pytest.mark.parametrize("d", [128, 256])
-@pytest.mark.parametrize("page", [None, 16])
-@pytest.mark.parametrize("layer", ["causal", "on", "W37-clamp", "W200-on-inclusive"])
-def test_consumers_walking_their_own_tiles_store_what_whole_walks_would(layer, page, d, monkeypatch):
-    """Each consumer walking only its own rows' key tiles (Config.trim, gluon_trim.py) meets the
-    truth and stores the bits of the whole walk, persistent on 3 "SMs" (each program's ring
-    crossing many items' skipped tiles) and one program per item, packed and paged (NaN in
-    unowned slots), inf keys and NaN values in the other sequences changing nothing."""
-    from spanattn.backends import triton as tb
-    from spanattn.backends.triton import gluon_parts
-    from spanattn.backends.triton.configs import pick_gluon
-    from spanattn.cache import to_paged
-
-    whole = pick_gluon(d, torch.bfloat16)
-    monkeypatch.setattr(gluon_parts, "sm_count", lambda device: 3)
-    p = sa.plan(LONG, LAYERS[layer], device="cuda")
-    q, k, v = (t.cuda() for t in _qkv(p, 8, 2, torch.bfloat16, seed=17, d=d))
-
-    def run(k, v, config):
-        kc, vc, table = (k, v, None) if page is None else to_paged(k, v, p, page, fill=float("nan"))
-        opts = {} if table is None else {"block_table": table}
-        out = torch.full_like(q, float("nan"))
-        return tb.forward(q, kc, vc, p, scale=d**-0.5, return_lse=True, out=out, config=config, **opts)
-
-    out, lse = run(k, v, whole)
-    for config in (replace(whole, trim=True), replace(whole, trim=True, persistent=False)):
-        got, got_lse = run(k, v, config)
-        assert torch.equal(got, out) and torch.equal(got_lse, lse), config
-    assert_close_to_truth(out, lse, q, k, v, p, scale=d**-0.5)
-    # every sequence before the last poisoned (inf keys, NaN values): the last's rows keep their bits
-    k2, v2 = k.clone(), v.clone()
-    last_k, last_q = p.cu_seqlens_k[-2], p.cu_seqlens_q[-2]
-    k2[:last_k], v2[:last_k] = float("inf"), float("nan")
-    got, _ = run(k2, v2, replace(whole, trim=True))
-    assert torch.equal(got[last_q:], out[last_q:])
-
-
 @pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("grouped", [False, True], ids=["plain", "groups"])
@@ -381,9 +343,8 @@ def test_launch_binds_every_kernel_argument(d, paged, grouped, monkeypatch):
     signature (none missing, none extra), the grid has one program per SM (persistent, here
     5 SMs) or one per deal unit (a work item, query tile and head, or at d128 without span
     groups one half of each of the last 2 = 5 // 2 items' walks), the deal's counters and the
-    halved items' flags start at zero, the scratch buffer holds the halves' partial rows, its
-    sections hold the KV heads whose K/V fit in L2, and asked to walk each consumer's own tiles
-    (Config.trim) d128 / d256 do on steps without span groups while d512 refuses."""
+    halved items' flags start at zero, the scratch buffer holds the halves' partial rows and its
+    sections hold the KV heads whose K/V fit in L2."""
     import inspect
 
     from spanattn.backends.triton import GLUON_KERNELS, _gluon_module, gluon_parts
@@ -436,22 +397,6 @@ def test_launch_binds_every_kernel_argument(d, paged, grouped, monkeypatch):
     assert bound.arguments["GROUPS"] == grouped and not bound.arguments["CLAMP"]
     if grouped:
         assert bound.arguments["WALK_INFO"].shape == (sched.num_tiles, 4)
-    # the consumers' own tiles (gluon_trim.py): asked for, d128 / d256 walk them on steps without
-    # span groups; d512's consumers hold the same rows and refuse
-    trims = module.launch.keywords.get("trims", False)
-    assert trims == (d != 512) and bound.arguments.get("TRIM", False) is False
-    calls.clear()
-    args = (Recorder(), *module.launch.args[1:], q, k, v, p, sched, out.stride(), False, False)
-    args = (*args, cfg.num_stages)
-    opts = dict(paged=paged, page_size=page, bt_stride=4 if paged else 0, groups=groups, trim=True)
-    if not trims:
-        with pytest.raises(ValueError, match="trim"):
-            module.launch.func(*args, **opts, **module.launch.keywords)
-        return
-    module.launch.func(*args, **opts, **module.launch.keywords)(q, k, v, out, None, 0.1, 1.0, table)
-    ((_, args, kwargs),) = calls
-    kwargs.pop("num_warps")
-    assert inspect.signature(kernel.fn).bind(*args, **kwargs).arguments["TRIM"] == (not grouped)
 
 
 def test_a_gluon_module_this_triton_cannot_import_means_no_gluon(monkeypatch):

@@ -345,7 +345,7 @@ def _route(q, k, v, plan, softcap, return_lse, out, config, lpt, block_table, pa
                 q, k, v, plan, sched, out.stride() if out is not None else (hq * d, d), return_lse,
                 bool(softcap), gcfg.num_stages, paged=gluon_pages, page_size=page_size or 0,
                 bt_stride=block_table.stride(0) if gluon_pages else 0,
-                groups=gluon_group_args(plan, sched), persistent=gcfg.persistent, trim=gcfg.trim,
+                groups=gluon_group_args(plan, sched), persistent=gcfg.persistent,
             )  # fmt: skip
 
             def run_gluon(q, k, v, out, bt, scale, softcap):

@@ -26,9 +26,6 @@ class Config:
     # each item's Q and first K/V loaded under the previous item's last P @ V and stores (False:
     # one program per item, as the hardware deals them)
     persistent: bool = True
-    # a Gluon kernel at d128/d256: each consumer warpgroup walks only the key tiles its own rows
-    # need (gluon_trim.py; span-group steps walk whole)
-    trim: bool = False
 
 
 # Hopper (H200) choices from benchmarks/gpu_triton.py's sweep (benchmarks/results/

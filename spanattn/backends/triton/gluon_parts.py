@@ -99,8 +99,6 @@ class GluonLaunch:
     groups as (query groups, key groups, key tile groups, the schedule's group walk), see
     group_walk.py; None without. ``halve_tail(head_dim)``: does the kernel take the launch's
     last items in halves at that head_dim (gluon_halves.py; done on steps without span groups)?
-    ``trim``: its consumers walk only the key tiles their own rows need (gluon_trim.py; kernels
-    that can say ``trims``; steps without span groups).
 
     Made once per call shape (the tensors given here stand for every later call's: same shapes,
     strides, dtypes, 16-byte alignment; ``out_strides``: their outputs'); each call then
@@ -113,11 +111,8 @@ class GluonLaunch:
     def __init__(self, kernel, tile_rows: int, q_rows: int, pieces: int, q, k, v, plan, sched, out_strides,
                  return_lse: bool, softcap: bool, stages: int, paged: bool = False, page_size: int = 0,
                  bt_stride: int = 0, groups: tuple | None = None, persistent: bool = True,
-                 halve_tail=lambda head_dim: False, trim: bool = False, trims: bool = False):  # fmt: skip
+                 halve_tail=lambda head_dim: False):  # fmt: skip
         from .direct_launch import DirectLaunch
-
-        if trim and not trims:
-            raise ValueError("trim: this Gluon kernel's consumers hold the same rows (d512 splits head_dim)")
 
         assert sched.block_m == tile_rows
         hq, d = q.shape[1], q.shape[2]
@@ -145,7 +140,6 @@ class GluonLaunch:
             SOFTCAP=softcap, RETURN_LSE=return_lse, N_INFO=len(INFO), PAGE=page_size if paged else 0,
             GROUPS=groups is not None, CLAMP=groups is not None and plan.groups.clamp,
             CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
-            **({"TRIM": trim and groups is None} if trims else {}),
         ))  # fmt: skip
 
     def __call__(self, q, k, v, out, lse, qk_scale: float, softcap_log2: float, block_table=None) -> None:
@@ -255,8 +249,7 @@ def ring_barriers(STAGES: gl.constexpr):
     ``empty`` (one arrival per consumer: its item's Q @ K^T are done), the held-back last V
     tile's, per K (V) slot ``ready``, and per slot ``done``: one arrival per consumer at the end
     of each key tile ``u`` of the program's walk, on slot ``u % STAGES``'s, saying that tile
-    ``u``'s keys and tile ``u - 1``'s values are read (the consumers read V one tile late), or
-    not needed (gluon_trim: a consumer's tiles outside its own rows' keys). One
+    ``u``'s keys and tile ``u - 1``'s values are read (the consumers read V one tile late). One
     barrier for both: Gluon puts a barrier of the warpgroup's threads before every arrive, so
     separate K and V releases cost two such barriers a tile."""
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())

@@ -18,8 +18,7 @@ and its softmax alone (no P @ V before it). At d256 a consumer skips its 128 res
 multiplies a tile while none of its rows' maxima moved by more than 2^8 (gluon_rescale); Q
 stays in shared memory (half of it in registers, as d512 holds it, no longer pays there: see
 gluon_parts.q_operand). At d128 a short step's last items run as two halves of their walks on
-two programs, merged by the half that ends second (gluon_halves). With ``TRIM`` (configs.Config's
-``trim``) each consumer walks only the key tiles its own rows need (gluon_trim).
+two programs, merged by the half that ends second (gluon_halves).
 """
 
 from __future__ import annotations
@@ -50,7 +49,6 @@ from .gluon_parts import (
     tile_walk,
 )
 from .gluon_pv_wait import wait_pv
-from .gluon_trim import own_walk, release_unread
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
 ZERO, ONE = gl.constexpr(0), gl.constexpr(1)
@@ -118,7 +116,7 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
              HQ: gl.constexpr, GROUP: gl.constexpr, N_INFO: gl.constexpr, HEAD_DIM: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
              RETURN_LSE: gl.constexpr, PAGE: gl.constexpr, GROUPS: gl.constexpr,
-             CLAMP: gl.constexpr, TRIM: gl.constexpr):  # fmt: skip
+             CLAMP: gl.constexpr):  # fmt: skip
     """Query rows ``PART * 64 ...`` of each work item the producer hands over: the online
     softmax in the log2 domain (as in kernel._softmax), each tile's P @ V issued one tile late
     so that the next softmax runs under it: an item's first tile has Q @ K^T and softmax alone,
@@ -153,27 +151,22 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
         # of the warpgroup moved its rows' maxima in the last tile (the rescale before the next).
         own = row0 + gl.arange(0, ROWS, layout=m_i.type.layout) <= q_row_last
         moved = gl.to_tensor(0)
-        # With TRIM, only the walk's tiles that hold keys of this consumer's rows (gluon_trim),
-        # the others released unread.
-        first, end = own_walk(lo, hi, kv_start, num_tiles, BLOCK_N, TRIM)
-        if TRIM:
-            release_unread(k_ready, done, c, 0, first, STAGES)
         mbarrier.wait(q_bar, i & 1, pred=live)
         # The first key tile: Q @ K^T and softmax alone. In the loop its P @ V (of p = 0) cost
         # half a tile's MMAs per item: without it S1 d128 3.5% and V2 4.4% faster on the H200.
         s, acc, n, ktg, outside = _tile_scores(
-            first, c, acc, alpha, moved, q, k_smem, k_ready, s_zero, KT + tma_row0, kv_start, n_pre,
+            0, c, acc, alpha, moved, q, k_smem, k_ready, s_zero, KT + tma_row0, kv_start, n_pre,
             pre_start, n_main, post_start, kv_len, live, STAGES, BLOCK_N, GROUPS, LAZY,
         )  # fmt: skip
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-        # Its keys are read (and the values before: the last item's last, gluon_parts.ring_barriers).
-        mbarrier.arrive(done.index((c + first) % STAGES), pred=live)
+        # Tile c's keys are read (and the last item's last values: gluon_parts.ring_barriers).
+        mbarrier.arrive(done.index(c % STAGES), pred=live)
         p, alpha, m_i, l_i, moved = _softmax(
             s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end, tma_last, qk_scale,
             softcap_log2, outside, gsel, KG + tma_row0, ktg, kv_len, own, BLOCK_N, SOFTCAP, GROUPS,
             CLAMP, LAZY,
         )  # fmt: skip
-        for t in range(first + 1, end):
+        for t in range(1, num_tiles):
             s, acc, n, ktg, outside = _tile_scores(
                 t, c, acc, alpha, moved, q, k_smem, k_ready, s_zero, KT + tma_row0, kv_start,
                 n_pre, pre_start, n_main, post_start, kv_len, live, STAGES, BLOCK_N, GROUPS,
@@ -197,12 +190,9 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
         # Released here rather than at the last Q @ K^T in the loop: Gluon puts a barrier of the
         # warpgroup's threads before each arrive, so a predicated arrive costs one every tile.
         mbarrier.arrive(q_empty, pred=live)
-        last = gl.maximum(c + end - 1, 0)
-        # The last values' slot goes back with the next tile's keys' (ring_barriers): the next
-        # item's first, or the first of this walk's tiles after this consumer's, released unread.
+        last = gl.maximum(c + num_tiles - 1, 0)
+        # The last values' slot goes back with the next item's first keys' (ring_barriers).
         acc = last_pv(acc, alpha, p, v_smem.index(last % STAGES), v_ready, last, STAGES, live)
-        if TRIM:
-            release_unread(k_ready, done, c, end, num_tiles, STAGES)
         m_row, l_row = row_stats(acc, m_i, l_i)
         keep = None  # every row up to the sequence's last
         if HALVES:
@@ -228,7 +218,7 @@ def attn_fwd_gluon(
     HQ: gl.constexpr, GROUP: gl.constexpr,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
     RETURN_LSE: gl.constexpr, N_INFO: gl.constexpr, PAGE: gl.constexpr, GROUPS: gl.constexpr,
-    CLAMP: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, TRIM: gl.constexpr,
+    CLAMP: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):  # fmt: skip
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
@@ -248,12 +238,12 @@ def attn_fwd_gluon(
                      full, free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP, KT_GROUP, TILE_INFO, BT,
                      stride_bt, WALK_INFO, num_items, section, halves, WS, FLAGS, qk_scale, softcap_log2,
                      stride_ot, stride_oh, HQ, GROUP, N_INFO, HEAD_DIM, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE,
-                     PAGE, GROUPS, CLAMP, TRIM)),
+                     PAGE, GROUPS, CLAMP)),
          (_consume, (1, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, done, items,
                      full, free, OUT, LSE, LO, HI, Q_GROUP, K_GROUP, KT_GROUP, TILE_INFO, BT,
                      stride_bt, WALK_INFO, num_items, section, halves, WS, FLAGS, qk_scale, softcap_log2,
                      stride_ot, stride_oh, HQ, GROUP, N_INFO, HEAD_DIM, BLOCK_N, STAGES, SOFTCAP, RETURN_LSE,
-                     PAGE, GROUPS, CLAMP, TRIM)),
+                     PAGE, GROUPS, CLAMP)),
          (produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                     done, v_loaded, items, full, free, TILE_INFO, BT, stride_bt, last_page,
                     WALK_INFO, num_items, DEAL, section, halves, q_head_rows, q_head_cols, kv_head_rows,
@@ -266,5 +256,5 @@ def attn_fwd_gluon(
 
 # A 128-query tile, Q read as two 64-row boxes, each K/V tile as one box.
 launch = functools.partial(
-    parts.GluonLaunch, attn_fwd_gluon, 2 * ROWS.value, ROWS.value, 1, halve_tail=halves_tail, trims=True
+    parts.GluonLaunch, attn_fwd_gluon, 2 * ROWS.value, ROWS.value, 1, halve_tail=halves_tail
 )
