@@ -29,6 +29,7 @@ import argparse
 import inspect
 import json
 import os
+import re
 import subprocess
 import tempfile
 from dataclasses import asdict, replace
@@ -146,13 +147,15 @@ def _report(kernel) -> dict:
     cmd = [ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull]
     log = subprocess.run(cmd, capture_output=True, text=True)
     os.unlink(f.name)
+    code = sass(kernel.asm["cubin"])
     info = [line.split("info    : ")[-1].strip() for line in log.stderr.splitlines()]
     return {
         "shared_bytes": kernel.metadata.shared,
         "ptxas": [x for x in info if ("registers" in x or "spill" in x) and "(C75" not in x],
         "wgmma_serialized": "are serialized" in log.stderr,
         "wgmma_wait_injected": "C7517" in log.stderr,
-        "exps_under_pv": exps_under_pv(sass(kernel.asm["cubin"])),
+        "exps_under_pv": exps_under_pv(code),
+        "rescales_under_scores": rescales_under_scores(code),
     }
 
 
@@ -181,6 +184,26 @@ def exps_under_pv(sass_text: str) -> list[int]:
             exps = None
         elif "MUFU.EX2" in line and exps is not None:
             exps += 1
+    return counts
+
+
+def rescales_under_scores(sass_text: str) -> list[int]:
+    """Per Q @ K^T issue of kernel_gluon's loop (shared-memory operands: ``HGMMA R, gdesc``) that
+    a P @ V issue follows (a register operand: ``HGMMA R, R, gdesc``) before any wait: the
+    multiplies (FMUL) between the two, i.e. how much of the output's rescale runs under the Q @ K^T
+    (kernel_gluon._rescaled). d512's Q @ K^T takes half of Q from registers: not counted there."""
+    counts, muls = [], None
+    for line in sass_text.splitlines():
+        if re.search(r"HGMMA\.\S+ R\d+, gdesc", line):
+            muls = 0 if muls is None else muls
+        elif re.search(r"HGMMA\.\S+ R\d+, R\d+, gdesc", line):
+            if muls is not None:
+                counts.append(muls)
+            muls = None
+        elif "DEPBAR" in line:
+            muls = None
+        elif " FMUL " in line and muls is not None:
+            muls += 1
     return counts
 
 

@@ -54,3 +54,13 @@ def test_gluon_softmax_runs_under_its_p_at_v(reports):
     for r in (r for r in reports if r["config"]["gluon"]):
         loops = r["exps_under_pv"]
         assert loops and min(loops) >= per_row_pair[r["d"]], r
+
+
+def test_gluon_rescale_runs_under_its_q_at_k(reports):
+    """kernel_gluon's rescale of the output before a tile's P @ V is issued after the Q @ K^T
+    before it, behind the wait for the values (kernel_gluon._rescaled): of a thread's 64 (d128)
+    or 128 (d256) multiplies all but a few lie between the two issues (LLVM had hoisted them all
+    ahead of the Q @ K^T)."""
+    for r in (r for r in reports if r["config"]["gluon"] and r["d"] in (128, 256)):
+        loops = r["rescales_under_scores"]
+        assert loops and min(loops) >= r["d"] // 2 - 4, r

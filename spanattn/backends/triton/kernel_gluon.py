@@ -14,11 +14,13 @@ dealt at run time, in sections of KV heads whose K/V fit in L2), and the produce
 item's Q and first K/V tiles while the consumers finish the previous item's last softmax and
 P @ V and store its rows: on short walks (a sliding window, a chunk of a few thousand keys)
 those loads and stores weigh as much as several key tiles; an item's first tile runs Q @ K^T
-and its softmax alone (no P @ V before it). At d256 a consumer skips its 128 rescale
-multiplies a tile while none of its rows' maxima moved by more than 2^8 (gluon_rescale); Q
-stays in shared memory (half of it in registers, as d512 holds it, no longer pays there: see
-gluon_parts.q_operand). At d128 a short step's last items run as two halves of their walks on
-two programs, merged by the half that ends second (gluon_halves).
+and its softmax alone (no P @ V before it). The output's rescale for a tile's P @ V runs under
+the Q @ K^T issued before it (_rescaled: d128 steps 1.4-2.1% faster than before the Q @ K^T on
+an H100). At d256 a consumer skips those 128 multiplies a tile while none of its rows' maxima
+moved by more than 2^8 (gluon_rescale); Q stays in shared memory (half of it in registers, as
+d512 holds it, no longer pays there: see gluon_parts.q_operand). At d128 a short step's last
+items run as two halves of their walks on two programs, merged by the half that ends second
+(gluon_halves).
 """
 
 from __future__ import annotations
@@ -61,28 +63,37 @@ def halves_tail(head_dim) -> bool:
 
 
 @gluon.jit
-def _tile_scores(t, c, acc, alpha, moved, q, k_smem, k_ready, s_zero, KT, kv_start, n_pre,
-                 pre_start, n_main, post_start, kv_len, live, STAGES: gl.constexpr,
-                 BLOCK_N: gl.constexpr, GROUPS: gl.constexpr,
-                 LAZY: gl.constexpr):  # fmt: skip
+def _tile_scores(t, c, q, k_smem, k_ready, s_zero, KT, kv_start, n_pre, pre_start, n_main, post_start,
+                 kv_len, live, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                 GROUPS: gl.constexpr):  # fmt: skip
     """Key tile ``t`` of an item's walk (``c``: the program's key tiles before the item): its
     first key, group code and place in the walk (read first: their latency hides under the
-    MMAs), ``acc`` rescaled by ``alpha`` while no MMA is in flight (written after the Q @ K^T
-    issue, even behind a volatile asm, triton 3.6's ptxas moves the multiplies back before it), then
-    Q @ K^T issued once the keys are in. ``LAZY``: the rescale only if ``moved`` (a warp of the
-    warpgroup moved its rows' maxima: gluon_rescale; elsewhere ``alpha`` is exactly 1)."""
+    MMAs), then Q @ K^T issued once the keys are in."""
     n, ktg, outside = tile_place(
         t, KT, kv_start, n_pre, pre_start, n_main, post_start, kv_len, BLOCK_N, GROUPS
     )
+    slot = (c + t) % STAGES
+    mbarrier.wait(k_ready.index(slot), ((c + t) // STAGES) & 1, pred=live)
+    # All of Q from shared memory (no register half: gluon_parts.q_operand says why).
+    return scores(q, q, k_smem.index(slot), s_zero, False), n, ktg, outside
+
+
+@gluon.jit
+def _rescaled(acc, alpha, moved, LAZY: gl.constexpr):
+    """``acc`` times ``alpha`` per row; with ``LAZY`` only if ``moved`` (a warp of the warpgroup
+    moved its rows' maxima: gluon_rescale; elsewhere ``alpha`` is exactly 1). Called behind the
+    wait for the values of the P @ V it precedes, which ends a basic block: there the
+    multiplies run under the Q @ K^T issued before (ptxas moves them back before that issue
+    from anywhere in its block). ``alpha`` passes a volatile move first, which LLVM keeps behind
+    the wait's asm: else it hoists the multiplies, pure arithmetic, before the Q @ K^T."""
+    alpha = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [alpha], dtype=gl.float32, is_pure=False,
+                                      pack=1)  # fmt: skip
     if LAZY:
         if moved != 0:
             acc = acc * gl.expand_dims(alpha, 1)
     else:
         acc = acc * gl.expand_dims(alpha, 1)
-    slot = (c + t) % STAGES
-    mbarrier.wait(k_ready.index(slot), ((c + t) // STAGES) & 1, pred=live)
-    # All of Q from shared memory (no register half: gluon_parts.q_operand says why).
-    return scores(q, q, k_smem.index(slot), s_zero, False), acc, n, ktg, outside
+    return acc
 
 
 @gluon.jit
@@ -154,9 +165,9 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
         mbarrier.wait(q_bar, i & 1, pred=live)
         # The first key tile: Q @ K^T and softmax alone. In the loop its P @ V (of p = 0) cost
         # half a tile's MMAs per item: without it S1 d128 3.5% and V2 4.4% faster on the H200.
-        s, acc, n, ktg, outside = _tile_scores(
-            0, c, acc, alpha, moved, q, k_smem, k_ready, s_zero, KT + tma_row0, kv_start, n_pre,
-            pre_start, n_main, post_start, kv_len, live, STAGES, BLOCK_N, GROUPS, LAZY,
+        s, n, ktg, outside = _tile_scores(
+            0, c, q, k_smem, k_ready, s_zero, KT + tma_row0, kv_start, n_pre, pre_start, n_main,
+            post_start, kv_len, live, STAGES, BLOCK_N, GROUPS,
         )  # fmt: skip
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
         # Tile c's keys are read (and the last item's last values: gluon_parts.ring_barriers).
@@ -167,14 +178,14 @@ def _consume(PART: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready
             CLAMP, LAZY,
         )  # fmt: skip
         for t in range(1, num_tiles):
-            s, acc, n, ktg, outside = _tile_scores(
-                t, c, acc, alpha, moved, q, k_smem, k_ready, s_zero, KT + tma_row0, kv_start,
-                n_pre, pre_start, n_main, post_start, kv_len, live, STAGES, BLOCK_N, GROUPS,
-                LAZY,
+            s, n, ktg, outside = _tile_scores(
+                t, c, q, k_smem, k_ready, s_zero, KT + tma_row0, kv_start, n_pre, pre_start, n_main,
+                post_start, kv_len, live, STAGES, BLOCK_N, GROUPS,
             )  # fmt: skip
             # The previous tile's P @ V, under this tile's softmax.
             prev = (c + t - 1) % STAGES
             mbarrier.wait(v_ready.index(prev), ((c + t - 1) // STAGES) & 1)
+            acc = _rescaled(acc, alpha, moved, LAZY)
             acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
             p, alpha, m_i, l_i, moved = _softmax(
