@@ -12,7 +12,7 @@ wins the timing.
     python benchmarks/compile_stats.py --d 512 --paged 16 --configs 64,32,8,2,0,1,1,1  # over pages
     python benchmarks/compile_stats.py --shipped   # every variant configs.pick(_gluon) hands out
 
-A config is BLOCK_M,BLOCK_N,num_warps,num_stages,one_loop,dv_split,tma,gluon (configs.Config's
+A config is BLOCK_M,BLOCK_N,num_warps,num_stages,one_loop,dv_split,tma,gluon,persistent (configs.Config's
 order; trailing fields may be left out). With gluon set, the Gluon kernel for head_dim and
 BLOCK_M (the triton backend's GLUON_KERNELS) is compiled instead, at BLOCK_N and num_stages (its
 warps are fixed; ptxas reports the launch's registers per thread, which its consumer warps raise
@@ -235,7 +235,7 @@ def main():
     ap.add_argument("--d", type=int, default=128, help="head_dim")
     ap.add_argument("--paged", type=int, default=0, help="page size (0: packed K/V)")
     ap.add_argument("--groups", choices=["", "on", "clamp"], default="", help="compile with span groups")
-    fields = "BLOCK_M,BLOCK_N,warps,stages,one_loop,dv_split,tma,gluon"
+    fields = "BLOCK_M,BLOCK_N,warps,stages,one_loop,dv_split,tma,gluon,persistent"
     ap.add_argument("--configs", nargs="+", help=fields)
     ap.add_argument("--shipped", action="store_true", help="every shipped config, one JSON line each")
     a = ap.parse_args()
