@@ -82,10 +82,10 @@ def _tile_scores(t, c, q, k_smem, k_ready, s_zero, KT, kv_start, n_pre, pre_star
 def _rescaled(acc, alpha, moved, LAZY: gl.constexpr):
     """``acc`` times ``alpha`` per row; with ``LAZY`` only if ``moved`` (a warp of the warpgroup
     moved its rows' maxima: gluon_rescale; elsewhere ``alpha`` is exactly 1). Called behind the
-    wait for the values of the P @ V it precedes, which ends a basic block: there the
-    multiplies run under the Q @ K^T issued before (ptxas moves them back before that issue
-    from anywhere in its block). ``alpha`` passes a volatile move first, which LLVM keeps behind
-    the wait's asm: else it hoists the multiplies, pure arithmetic, before the Q @ K^T."""
+    wait for the values of the P @ V it precedes, so that the multiplies run under the Q @ K^T
+    issued before. ``alpha`` passes a volatile move first, which LLVM keeps behind the wait's
+    asm: without it LLVM hoists the multiplies, pure arithmetic, ahead of the Q @ K^T (the PTX
+    shows it); with it the SASS has them between the two issues (compile_stats.py counts them)."""
     alpha = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [alpha], dtype=gl.float32, is_pure=False,
                                       pack=1)  # fmt: skip
     if LAZY:
