@@ -484,9 +484,13 @@ def softmax_step(s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end,
         s = group_mask(s, n, lo, hi, offs_n, full_start, full_end, tma_last, outside, gsel, KG, ktg,
                        kv_len, BLOCK_N, CLAMP)  # fmt: skip
     elif (n < full_start) | (n + BLOCK_N > full_end):
-        kv_idx = gl.expand_dims(gl.minimum(n, tma_last) + offs_n, 0)
-        keep = (kv_idx >= gl.expand_dims(gl.maximum(lo, n), 1)) & (kv_idx <= gl.expand_dims(hi, 1))
-        s = gl.where(keep, s, float("-inf"))
+        # Keys first ... hi of each row (keys below n were seen already): as one unsigned
+        # compare of the key's offset from first against the row's count, one select a score
+        # (two compares made LLVM split the select in two).
+        first = gl.maximum(lo, n)
+        since = gl.expand_dims(gl.minimum(n, tma_last) - first, 1) + gl.expand_dims(offs_n, 0)
+        count = gl.expand_dims(gl.maximum(hi + 1 - first, 0), 1)
+        s = gl.where(since.to(gl.uint32, bitcast=True) < count.to(gl.uint32, bitcast=True), s, float("-inf"))
     m_tile = gl.max(s, 1) * s_scale
     if own is None:
         m_new = gl.maximum(m_i, m_tile)
