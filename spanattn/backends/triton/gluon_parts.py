@@ -484,13 +484,7 @@ def softmax_step(s, m_i, l_i, p, alpha, n, lo, hi, offs_n, full_start, full_end,
         s = group_mask(s, n, lo, hi, offs_n, full_start, full_end, tma_last, outside, gsel, KG, ktg,
                        kv_len, BLOCK_N, CLAMP)  # fmt: skip
     elif (n < full_start) | (n + BLOCK_N > full_end):
-        # Keys first ... hi of each row (keys below n were seen already): as one unsigned
-        # compare of the key's offset from first against the row's count, one select a score
-        # (two compares made LLVM split the select in two).
-        first = gl.maximum(lo, n)
-        since = gl.expand_dims(gl.minimum(n, tma_last) - first, 1) + gl.expand_dims(offs_n, 0)
-        count = gl.expand_dims(gl.maximum(hi + 1 - first, 0), 1)
-        s = gl.where(since.to(gl.uint32, bitcast=True) < count.to(gl.uint32, bitcast=True), s, float("-inf"))
+        s = gl.where(in_interval(n, lo, hi, offs_n, tma_last), s, float("-inf"))
     m_tile = gl.max(s, 1) * s_scale
     if own is None:
         m_new = gl.maximum(m_i, m_tile)
@@ -533,13 +527,25 @@ def group_mask(s, n, lo, hi, offs_n, full_start, full_end, tma_last, outside, gs
     elif (n < full_start) | (n + BLOCK_N > full_end):
         kv = gl.minimum(n, tma_last) + offs_n
         gk = gl.load(KG + kv, mask=(kv >= n) & (kv < kv_len), other=-1)
-        kv_idx = gl.expand_dims(kv, 0)
-        keep = (kv_idx >= gl.expand_dims(gl.maximum(lo, n), 1)) & (kv_idx <= gl.expand_dims(hi, 1))
+        keep = in_interval(n, lo, hi, offs_n, tma_last)
         same = gl.expand_dims(gk, 0) == gl.expand_dims(gsel, 1)
         if CLAMP:
-            same = same & (kv_idx >= gl.expand_dims(lo, 1))
+            same = same & (gl.expand_dims(kv, 0) >= gl.expand_dims(lo, 1))
         s = gl.where(keep | same, s, float("-inf"))
     return s
+
+
+@gluon.jit
+def in_interval(n, lo, hi, offs_n, tma_last):
+    """Which scores of key tile ``n ...`` (read from ``min(n, tma_last)``: the shifted last
+    tile) fall in their row's keys ``max(lo, n) ... hi`` (keys below ``n`` were seen already):
+    one unsigned compare of the key's offset from that first key against the row's count (an
+    offset below 0 wraps past every count), so one select a score, where two compares made LLVM
+    split the select in two."""
+    first = gl.maximum(lo, n)
+    since = gl.expand_dims(gl.minimum(n, tma_last) - first, 1) + gl.expand_dims(offs_n, 0)
+    count = gl.expand_dims(gl.maximum(hi + 1 - first, 0), 1)
+    return since.to(gl.uint32, bitcast=True) < count.to(gl.uint32, bitcast=True)
 
 
 @gluon.jit
