@@ -29,6 +29,11 @@ def step(row: dict) -> str:
     return f"{row['scenario']} d{row['d']}"
 
 
+def by_step(call: dict) -> dict[str, dict]:
+    """step -> the call's row for it."""
+    return {step(r): r for r in call["rows"]}
+
+
 def efficiencies(row: dict) -> dict[str, float]:
     """contender -> its per-pair efficiency on the row's step, for those that have one."""
     return {n: c["efficiency"] for n, c in row["contenders"].items() if "efficiency" in c}
@@ -64,12 +69,12 @@ def verdict(call: dict) -> dict[str, list[str]]:
 
 def lines(calls: list[dict]) -> list[str]:
     """A line per step (each call's triton and best efficiency), then each call's verdict."""
-    steps = [step(r) for r in calls[0]["rows"]]
-    by_step = [{step(r): r for r in c["rows"]} for c in calls]
+    indexed = [by_step(c) for c in calls]
     out = []
-    for s in steps:
-        rows = [b.get(s) for b in by_step]
-        if s.endswith("d512"):
+    for first in calls[0]["rows"]:
+        s = step(first)
+        rows = [b.get(s) for b in indexed]
+        if first["d"] == 512:
             rates = [f"{r['contenders']['triton']['tflops']:.0f}" if r else "-" for r in rows]
             out.append(f"{s}: triton {' / '.join(rates)} TFLOP/s")
             continue
@@ -90,14 +95,17 @@ def draw(path: Path, calls: list[dict]) -> None:
     d512 = [step(r) for r in calls[0]["rows"] if r["d"] == 512]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4), width_ratios=[len(steps), max(len(d512), 1) + 1])
     ax, ax5 = axes
+    indexed = [by_step(c) for c in calls]
     spread = 0.6 / max(len(CONTENDERS) * len(calls) - 1, 1)
+
+    def at(x, ci, k):  # contender ci's marker of call k beside step x
+        return x - 0.3 + (ci * len(calls) + k) * spread
+
     for ci, name in enumerate(CONTENDERS):
         low = {}  # step -> this contender's efficiencies below FLOOR, over the calls
-        for k, call in enumerate(calls):
-            rows = {step(r): r for r in call["rows"]}
-            pts = [(x - 0.3 + (ci * len(calls) + k) * spread, efficiencies(rows[s]).get(name), x)
-                   for x, s in enumerate(steps) if s in rows]  # fmt: skip
-            pts = [(x, y, i) for x, y, i in pts if y is not None]
+        for k, rows in enumerate(indexed):
+            effs = [(x, efficiencies(rows[s]).get(name)) for x, s in enumerate(steps) if s in rows]
+            pts = [(at(x, ci, k), y, x) for x, y in effs if y is not None]
             for _, y, i in pts:
                 if y < FLOOR:
                     low.setdefault(i, []).append(y)
@@ -106,7 +114,7 @@ def draw(path: Path, calls: list[dict]) -> None:
             ax.scatter([x for x, _, _ in pts], [max(y, FLOOR) for _, y, _ in pts], s=18,
                        color=COLOURS[name], label=name if k == 0 else None)  # fmt: skip
         for i, ys in low.items():
-            x = i - 0.3 + (ci * len(calls) + (len(calls) - 1) / 2) * spread
+            x = at(i, ci, (len(calls) - 1) / 2)
             ax.annotate(f"{min(ys):.2f}-{max(ys):.2f}", (x, FLOOR), xytext=(0, 6), textcoords="offset points",
                         fontsize=7, ha="center", color=COLOURS[name])  # fmt: skip
     ax.set_ylim(FLOOR - 0.01, None)
@@ -117,8 +125,7 @@ def draw(path: Path, calls: list[dict]) -> None:
     ax.set_ylabel("per-pair rate / FA4 built-in's")
     ax.set_title(f"Efficiency per useful pair, {len(calls)} calls (a marker per call)")
     ax.legend(fontsize=8)
-    for k, call in enumerate(calls):
-        rows = {step(r): r for r in call["rows"]}
+    for k, rows in enumerate(indexed):
         ys = [rows[s]["contenders"]["triton"]["tflops"] if s in rows else None for s in d512]
         ax5.scatter([x - 0.2 + 0.4 * k / max(len(calls) - 1, 1) for x in range(len(d512))], ys, s=18,
                     color=COLOURS["triton"])  # fmt: skip
