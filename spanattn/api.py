@@ -96,6 +96,12 @@ def _reads_pages(mod) -> bool:
     return "block_table" in inspect.signature(mod.forward).parameters
 
 
+def needs_grad(*tensors) -> bool:
+    """Will autograd want gradients of this call's output (grad mode on and an input that
+    requires grad)?"""
+    return torch.is_grad_enabled() and any(torch.is_tensor(t) and t.requires_grad for t in tensors)
+
+
 def _unavailable(name, mod, q, plan, opts: dict) -> str | None:
     if plan.capacity is not None:
         from .device_planner import refusal
@@ -105,7 +111,12 @@ def _unavailable(name, mod, q, plan, opts: dict) -> str | None:
             return why
     if "block_table" in opts and not _reads_pages(mod):
         return "it reads only packed K/V, not a paged cache (block_table)"
-    return mod.unavailable(q, plan, **opts)
+    why = mod.unavailable(q, plan, **opts)
+    if why is None and opts.get("grad"):
+        why = mod.no_backward(q, plan, **opts)
+        if why is not None:
+            return f"{why} (q, k or v requires grad; under torch.no_grad() it runs)"
+    return why
 
 
 def _pick(q, plan, backend: str, opts: dict):
@@ -114,7 +125,8 @@ def _pick(q, plan, backend: str, opts: dict):
         mod = backends.load(backend)
         why = _unavailable(backend, mod, q, plan, opts)
         if why is not None:
-            raise RuntimeError(f"backend={backend!r} cannot run this call: {why}")
+            trains = f"; backend={_trainer(q, plan, opts)!r} trains it" if opts.get("grad") else ""
+            raise RuntimeError(f"backend={backend!r} cannot run this call: {why}{trains}")
         return mod
     reasons = []
     for name in AUTO_ORDER:
@@ -132,19 +144,28 @@ def _pick(q, plan, backend: str, opts: dict):
     raise RuntimeError("no backend can run this call: " + "; ".join(reasons))
 
 
-def auto_choice(q, plan, softcap=None, return_lse=False) -> str:
+def _trainer(q, plan, opts: dict) -> str:
+    """A backend that computes this call's gradients (what a refusal names instead)."""
+    for name in AUTO_ORDER:
+        if name in backends.BACKENDS and _unavailable(name, backends.load(name), q, plan, opts) is None:
+            return name
+    return "reference"
+
+
+def auto_choice(q, plan, softcap=None, return_lse=False, grad=False) -> str:
     """The name of the backend ``attention(q, k, v, plan)`` runs with ``backend="auto"`` (for
-    benchmarks and logs; raises as the call would where none can run it)."""
-    mod = _pick(q, plan, "auto", {"softcap": softcap, "return_lse": return_lse})
+    benchmarks and logs; raises as the call would where none can run it). grad: a call whose
+    inputs require grad (auto takes a backend that trains)."""
+    mod = _pick(q, plan, "auto", {"softcap": softcap, "return_lse": return_lse, "grad": grad})
     return mod.__name__.rsplit(".", 1)[-1]
 
 
-def _call_key(q, k, v, plan, block_table, backend, softcap, return_lse):
+def _call_key(q, k, v, plan, block_table, backend, softcap, return_lse, grad=False):
     """What the checks and the backend choice depend on, or None when some argument is not a
     tensor (then the checks say which)."""
     try:
-        key = (backend, bool(softcap), return_lse, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
-               q.device, k.device, v.device)  # fmt: skip
+        key = (backend, bool(softcap), return_lse, grad, q.shape, k.shape, v.shape, q.dtype, k.dtype,
+               v.dtype, q.device, k.device, v.device)  # fmt: skip
         if block_table is not None:
             key += (block_table.shape, block_table.dtype, block_table.device)
     except AttributeError:
@@ -167,7 +188,8 @@ def run(q, k, v, plan, block_table=None, backend="auto", scale=None, softcap=Non
     opts = {"softcap": softcap, "return_lse": return_lse}
     if block_table is not None:
         opts["block_table"] = block_table
-    key = _call_key(q, k, v, plan, block_table, backend, softcap, return_lse)
+    grad = needs_grad(q, k, v)
+    key = _call_key(q, k, v, plan, block_table, backend, softcap, return_lse, grad)
     mod = plan.facts.get(key) if key is not None else None
     if mod is None:
         check_tensors(q, k, v, plan, block_table)
@@ -175,14 +197,37 @@ def run(q, k, v, plan, block_table=None, backend="auto", scale=None, softcap=Non
             _check_packed_keys(k, v, plan)
         else:
             _check_pages(k, v, block_table, plan, how)
-        mod = _pick(q, plan, backend, opts)
+        if grad:
+            _check_trainable(plan, block_table)
+        mod = _pick(q, plan, backend, {**opts, "grad": grad})
         if key is not None:
             plan.facts[key] = mod
     elif block_table is not None:
         # The key holds what check_paged reads (shapes, dtypes, devices); the entries change.
         page_check.check(block_table, plan, k.shape[0], k.shape[1], how)
     opts["scale"] = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
-    return mod.forward(q, k, v, plan, **opts)
+    out, lse = mod.forward(q, k, v, plan, **opts)
+    if grad and out.grad_fn is None:  # never a model whose attention silently learns nothing
+        raise RuntimeError(
+            f"spanattn: backend {mod.__name__.rsplit('.', 1)[-1]!r} returned an output without a gradient "
+            "although q, k or v requires grad; this is a bug, please report it (backend='reference' trains)"
+        )
+    return out, lse
+
+
+def _check_trainable(plan, block_table) -> None:
+    """What no backend trains: a paged cache (serving reads keys in place, and their gradients
+    would scatter into cache pages) and a device plan (its capacity-padded rows)."""
+    if block_table is not None:
+        raise ValueError(
+            "gradients through a paged KV cache (block_table) are not computed: pass packed k, v "
+            "[total_k, Hkv, D] to train, or run the paged call under torch.no_grad()"
+        )
+    if plan.capacity is not None:
+        raise ValueError(
+            "gradients with a device plan (DevicePlanner) are not computed: plan a training step with "
+            "spanattn.plan(batch, layer), or run under torch.no_grad()"
+        )
 
 
 def attention(

@@ -129,6 +129,11 @@ def attention_call(q, k, v, plan, block_table, backend, scale, softcap, return_l
     """:func:`spanattn.attention` while torch.compile traces it: the checks that read only
     tensor shapes, then the op (the rest of the checks run inside it)."""
     api.check_tensors(q, k, v, plan, block_table)
+    if api.needs_grad(q, k, v):  # traced here, so a compiled model cannot train without gradients
+        raise RuntimeError(
+            "spanattn's torch ops are forward only (no backward yet): under torch.compile, run "
+            "spanattn.attention under torch.no_grad() or detach q, k, v"
+        )
     how = page_check.mode(check_pages)  # a string in the op's schema: "deferred", "sync" or "off"
     host = isinstance(plan, Plan)
     if host:

@@ -16,7 +16,9 @@ BACKENDS = {
 
 def load(name: str):
     """The module of backend ``name``; it exposes ``unavailable(q, plan, **opts) -> str | None``
-    (why it cannot run this call) and ``forward(q, k, v, plan, **opts) -> (out, lse)``; one with
+    (why it cannot run this call), ``no_backward(q, plan, **opts) -> str | None`` (why it cannot
+    give this call's gradients: asked only when q, k or v requires grad) and
+    ``forward(q, k, v, plan, **opts) -> (out, lse)``; one with
     per-plan tables also has ``prepare(plan, head_dim)`` to build them ahead of the first call,
     and one that ``backend="auto"`` should pass over for some steps it can run has
     ``auto_declines(q, plan, **opts) -> str | None``."""

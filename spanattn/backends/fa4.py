@@ -112,6 +112,12 @@ def unavailable(q, plan, **opts) -> str | None:
     return None
 
 
+def no_backward(q, plan, **opts) -> str | None:
+    # Its calls go around FA4's autograd (fa4_direct.py records them) and a step of both causal
+    # flags writes one output from two launches.
+    return "the fa4 backend computes no gradients yet"
+
+
 def auto_declines(q, plan, **opts) -> str | None:
     """Why ``backend="auto"`` should pass over fa4 although it could run (then triton runs it):
 

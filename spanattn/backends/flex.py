@@ -54,6 +54,10 @@ def unavailable(q, plan, **opts) -> str | None:
     return None
 
 
+def no_backward(q, plan, **opts) -> str | None:
+    return "the flex backend computes no gradients yet"
+
+
 def prepare(plan, head_dim: int | None = None) -> None:
     """Build what a step needs once per plan (cached on it): the tile tables and intervals of
     the aligned layout. Flex's blocks do not depend on head_dim."""
@@ -204,7 +208,8 @@ def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False):
             lo, hi = plan.lo[rows], plan.hi[rows]
             groups = None if plan.groups is None else plan.groups.sequence(rows, keys)
             t = build_tile_tables(lo, hi, keys.stop - keys.start, BLOCK_M, BLOCK_N, groups)
-            qi, ki, vi = (x.float() for x in (q[rows], k[keys], v[keys]))
+            # detached: torch's CPU flex refuses inputs that require grad even under no_grad
+            qi, ki, vi = (x.detach().float() for x in (q[rows], k[keys], v[keys]))
             step = _flex_step if groups is None else _flex_group_step
             parts.append(_call(step, qi, ki, vi, lo, hi, t, scale, softcap, return_lse, groups))
         out = torch.cat([o for o, _ in parts])

@@ -15,6 +15,10 @@ def unavailable(q, plan, **opts) -> str | None:
     return capture_refusal(q, plan)
 
 
+def no_backward(q, plan, **opts) -> str | None:
+    return None  # torch's autograd differentiates the dense computation
+
+
 def capture_refusal(q, plan) -> str | None:
     """The dense backends walk sequences on the host: a device plan's lengths must be read
     there, which a CUDA graph being captured cannot do."""

@@ -17,6 +17,10 @@ def unavailable(q, plan, *, softcap=None, **opts) -> str | None:
     return capture_refusal(q, plan)
 
 
+def no_backward(q, plan, **opts) -> str | None:
+    return None  # torch's autograd differentiates SDPA
+
+
 def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False, block_table=None):
     out, lse = outputs(q, v, return_lse, plan)
     # K/V heads repeated: enable_gqa needs torch >= 2.5 and not every SDPA kernel takes it with a mask

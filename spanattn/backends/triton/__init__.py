@@ -235,6 +235,10 @@ def unavailable(q, plan, **opts) -> str | None:
     return None
 
 
+def no_backward(q, plan, **opts) -> str | None:
+    return "the triton backend has no backward kernels yet"
+
+
 def forward(
     q,
     k,
@@ -438,4 +442,4 @@ def gluon_group_args(plan, sched) -> tuple | None:
     return g.q_group, g.k_group, plan_key_tile_groups(plan, sched.block_n), sched.walk
 
 
-__all__ = ["Config", "forward", "prepare", "unavailable"]
+__all__ = ["Config", "forward", "no_backward", "prepare", "unavailable"]
