@@ -10,6 +10,23 @@ For query ``q`` (absolute position ``ctx + i``) of a sequence with ``kv_len`` ke
     allowed = base U span, clipped to [0, kv_len - 1]
 
 Both parts contain ``k = q`` so their union is one interval and no row is empty.
+
+Read by columns (what a backward pass walks for each key tile), the same predicate gives for
+key ``k`` the queries that see it as one interval too:
+
+    base  causal:      [k, k + W - 1]                     (W None: [k, inf))
+          non-causal:  [k - W + 1, k + W - 1]  exclusive  (W None: every query)
+                       [k - W,     k + W]      inclusive
+    span  on:          [s, e]                  for the span [s, e] holding k
+          clamp:       [s, min(e, k + W - 1)]
+    seen by = base U span, clipped to the chunk's queries [ctx, kv_len - 1]
+
+Both parts contain ``q = k`` (the span part since ``s <= k <= e``; its clamp cut keeps ``k``
+as ``W >= 1``), so their union is one interval; it may be empty after clipping (a cached key
+behind every query's window). The same follows from the rows: ``lo`` and ``hi`` never decrease
+along a sequence's queries (each piece above is monotone in ``q``; a span only widens the rows
+inside it to its own ends), so the rows with ``lo <= k`` are a prefix and those with
+``hi >= k`` a suffix of the chunk, and their intersection is an interval.
 """
 
 from __future__ import annotations
@@ -131,6 +148,41 @@ def intervals_torch(layer: LayerMask, step: dict, total_q: int) -> tuple[torch.T
         dead = (token >= ends[-1]) | (last < 0)
         lo, hi = lo.masked_fill(dead, 0), hi.masked_fill(dead, -1)
     return lo.to(torch.int32), hi.to(torch.int32)
+
+
+def column_intervals(layer: LayerMask, step: dict, total_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qlo, qhi`` (int32 ``[total_k]``): for each packed key, the queries that see it through
+    its interval (module docstring), inclusive query indices of its sequence's chunk
+    (``0..q_len - 1``); ``qlo > qhi`` where no query does. Span groups add the queries of the
+    key's group (groups.py), which this leaves out as ``lo, hi`` do. Vectorized over tokens
+    from :func:`step_tensors`' tensors of a host plan; what backward passes walk, built only
+    when one runs."""
+    q_len, kv_len, causal = step["q_len"].long(), step["kv_len"].long(), step["causal"].bool()
+    starts = step["cu_seqlens_k"][:-1].long()
+    seq_id = seq_ids(step["cu_seqlens_k"], total_k)
+    per_key = lambda t: t.index_select(0, seq_id)
+    k = torch.arange(total_k, device=kv_len.device) - per_key(starts)  # position in the sequence
+    ctx, key_causal = per_key(kv_len - q_len), per_key(causal)
+    never = torch.full_like(k, 2**40)  # past any query: "no bound" on that side
+
+    w = layer.window
+    if w is None:
+        first = torch.where(key_causal, k, -never)
+        last = never
+    else:
+        wide = layer.noncausal_window == "inclusive"
+        first = torch.where(key_causal, k, k - w + (0 if wide else 1))
+        last = torch.where(key_causal | (not wide), k + w - 1, k + w)
+
+    if layer.spans != "off" and step["spans"].numel():
+        _, inside, s, e = span_holding(step["spans"], seq_id, k)
+        if layer.spans == "clamp" and w is not None:
+            e = torch.minimum(e, k + w - 1)
+        first = torch.where(inside, torch.minimum(first, s), first)
+        last = torch.where(inside, torch.maximum(last, e), last)
+    qlo = (first - ctx).clamp_min(0)
+    qhi = torch.minimum(last - ctx, per_key(q_len) - 1)
+    return qlo.to(torch.int32), qhi.to(torch.int32)
 
 
 def span_holding(spans: torch.Tensor, seq_id: torch.Tensor, pos: torch.Tensor):

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .groups import SpanGroups, span_groups
-from .intervals import compute_intervals, dense_from_intervals, seq_ids, step_tensors
+from .intervals import column_intervals, compute_intervals, dense_from_intervals, seq_ids, step_tensors
 from .spec import Batch, LayerMask
 
 _SERIALS = itertools.count(1)
@@ -116,6 +116,16 @@ class Plan:
     def query_seq_ids(self) -> torch.Tensor:
         """int64 ``[total_q]``: the sequence of each packed query (cached)."""
         return self.cached("query_seq_ids", lambda: seq_ids(self.cu_seqlens_q, self.total_q))
+
+    def columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``qlo, qhi``: int32 ``[total_k]``, the chunk's queries that see each packed key through
+        the intervals (``intervals.column_intervals``; span groups add their own part), built on
+        first use (a backward pass) and cached."""
+
+        def build():
+            return column_intervals(self.layer, step_tensors(self.batch, self.device), self.total_k)
+
+        return self.cached("columns", build)
 
     def seq_slice(self, i: int) -> slice:
         """Rows of sequence ``i`` in the packed query tensors."""

@@ -160,3 +160,49 @@ def test_images_wider_than_the_window(data, mode, causal, noncausal_window):
     seq = sa.Seq(q_len=q_len, kv_len=kv_len, spans=[(s, e)], causal=causal)
     layer = sa.LayerMask(window=window, spans=mode, noncausal_window=noncausal_window)
     assert torch.equal(sa.plan(sa.Batch([seq]), layer).to_dense(0), brute_mask(seq, layer))
+
+
+def column_dense(qlo, qhi, q_len):
+    """Boolean ``[kv_len, q_len]``: key ``k`` seen by queries ``qlo[k]..qhi[k]``."""
+    i = torch.arange(q_len)
+    return (i[None, :] >= qlo[:, None].long()) & (i[None, :] <= qhi[:, None].long())
+
+
+@settings(max_examples=150, deadline=None)
+@given(batch=batches(max_len=200), layer=layers(max_window=220))
+def test_column_intervals_are_the_brute_force_mask_read_by_keys(batch, layer):
+    p = sa.plan(batch, layer)
+    qlo, qhi = p.columns()
+    assert qlo.dtype == qhi.dtype == torch.int32 and qlo.shape == (batch.total_k,)
+    k0 = 0
+    for seq in batch.seqs:
+        keys = slice(k0, k0 + seq.kv_len)
+        want = brute_mask(seq, layer).T
+        assert torch.equal(column_dense(qlo[keys], qhi[keys], seq.q_len), want), (seq, layer)
+        k0 += seq.kv_len
+
+
+def test_column_intervals_of_an_image_wider_than_the_window():
+    # keys 5..24 are an image, window 4: in "on" its keys see the whole image's queries, in
+    # "clamp" only those within the window after them; the cached prefix key 1 is seen by no query
+    # of the chunk (queries from 10 on) unless the layer has no window
+    seq = sa.Seq(q_len=30, kv_len=40, spans=[(5, 24)])
+    modes = ("on", "clamp", "off")
+    cols = {m: sa.plan(sa.Batch([seq]), sa.LayerMask(window=4, spans=m)).columns() for m in modes}
+    ctx = 10
+    assert (cols["on"][0][7].item(), cols["on"][1][7].item()) == (0, 24 - ctx)
+    assert (cols["clamp"][0][7].item(), cols["clamp"][1][7].item()) == (0, 0)  # 7 + 4 - 1 = 10
+    assert (cols["off"][0][12].item(), cols["off"][1][12].item()) == (12 - ctx, 15 - ctx)
+    assert cols["off"][0][1] > cols["off"][1][1]
+    glo, ghi = sa.plan(sa.Batch([seq]), sa.LayerMask()).columns()
+    assert (glo[1].item(), ghi[1].item()) == (0, 29)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=batches(max_len=300), layer=layers(max_window=300))
+def test_rows_never_decrease_along_a_sequence(batch, layer):
+    # the second proof of the column form (intervals.py): lo and hi are monotone per sequence
+    p = sa.plan(batch, layer)
+    for i in range(p.num_seqs):
+        rows = p.seq_slice(i)
+        assert torch.all(p.lo[rows].diff() >= 0) and torch.all(p.hi[rows].diff() >= 0)
