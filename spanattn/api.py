@@ -14,7 +14,8 @@ from .cache import check_paged
 from .device_plan import DevicePlan
 from .plan import Plan
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# float64 for checks (torch.autograd.gradcheck; the dense backends compute in it, the kernels refuse it)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 AUTO_ORDER = ("fa4", "triton", "sdpa", "reference")
 
 
@@ -40,7 +41,7 @@ def check_tensors(q, k, v, plan, block_table=None) -> None:
         elif t.dim() != 3:
             raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
         if t.dtype not in DTYPES:
-            raise TypeError(f"{name}.dtype must be one of float16/bfloat16/float32, got {t.dtype}")
+            raise TypeError(f"{name}.dtype must be one of float16/bfloat16/float32/float64, got {t.dtype}")
         if t.device != device:
             raise ValueError(f"{name} is on {t.device} but the plan is on {device}; plan on the same device")
     if not (q.dtype == k.dtype == v.dtype):
@@ -96,6 +97,14 @@ def _reads_pages(mod) -> bool:
     return "block_table" in inspect.signature(mod.forward).parameters
 
 
+# How a call is differentiated, ``grad`` in a backend's choice (``opts``): None, not at all;
+# "eager", an eager call through torch's autograd where its backend's forward is differentiable
+# (``NATIVE_AUTOGRAD``), else through the op; "op", through the torch op's autograd (grad.py:
+# torch.compile, and the eager calls of the other backends), which needs the backend's own
+# ``backward(q, k, v, out, lse, dout, plan, *, scale, softcap, dlse) -> (dq, dk, dv)``.
+GRAD_MODES = (None, "eager", "op")
+
+
 def needs_grad(*tensors) -> bool:
     """Will autograd want gradients of this call's output (grad mode on and an input that
     requires grad)?"""
@@ -114,12 +123,16 @@ def _unavailable(name, mod, q, plan, opts: dict) -> str | None:
     why = mod.unavailable(q, plan, **opts)
     if why is None and opts.get("grad"):
         why = mod.no_backward(q, plan, **opts)
+        if why is None and opts["grad"] == "op" and not hasattr(mod, "backward"):
+            why = (
+                "its gradients come from torch's autograd through its forward, which torch.compile cannot see"
+            )
         if why is not None:
             return f"{why} (q, k or v requires grad; under torch.no_grad() it runs)"
     return why
 
 
-def _pick(q, plan, backend: str, opts: dict):
+def pick(q, plan, backend: str, opts: dict):
     """The backend module that runs this call (``backend="auto"``: the first in AUTO_ORDER)."""
     if backend != "auto":
         mod = backends.load(backend)
@@ -152,15 +165,15 @@ def _trainer(q, plan, opts: dict) -> str:
     return "reference"
 
 
-def auto_choice(q, plan, softcap=None, return_lse=False, grad=False) -> str:
+def auto_choice(q, plan, softcap=None, return_lse=False, grad=None) -> str:
     """The name of the backend ``attention(q, k, v, plan)`` runs with ``backend="auto"`` (for
-    benchmarks and logs; raises as the call would where none can run it). grad: a call whose
-    inputs require grad (auto takes a backend that trains)."""
-    mod = _pick(q, plan, "auto", {"softcap": softcap, "return_lse": return_lse, "grad": grad})
+    benchmarks and logs; raises as the call would where none can run it). grad: how the call
+    is differentiated (``GRAD_MODES``; auto takes a backend that trains it)."""
+    mod = pick(q, plan, "auto", {"softcap": softcap, "return_lse": return_lse, "grad": grad})
     return mod.__name__.rsplit(".", 1)[-1]
 
 
-def _call_key(q, k, v, plan, block_table, backend, softcap, return_lse, grad=False):
+def _call_key(q, k, v, plan, block_table, backend, softcap, return_lse, grad=None):
     """What the checks and the backend choice depend on, or None when some argument is not a
     tensor (then the checks say which)."""
     try:
@@ -176,10 +189,25 @@ def _call_key(q, k, v, plan, block_table, backend, softcap, return_lse, grad=Fal
 
 
 def run(q, k, v, plan, block_table=None, backend="auto", scale=None, softcap=None, return_lse=False,
-        check_pages=True):  # fmt: skip
+        check_pages=True, grad=None):  # fmt: skip
     """:func:`attention` outside torch.compile, and the torch ops' implementation: checks,
     backend choice (both kept per plan for calls of the same shapes), forward. Returns
-    ``(out, lse or None)``."""
+    ``(out, lse or None)``. grad: how the call is differentiated (``GRAD_MODES``)."""
+    mod, opts = resolve(q, k, v, plan, block_table, backend, scale, softcap, return_lse, check_pages, grad)
+    out, lse = mod.forward(q, k, v, plan, **opts)
+    if grad == "eager" and out.grad_fn is None:  # never a model whose attention silently learns nothing
+        raise RuntimeError(
+            f"spanattn: backend {mod.__name__.rsplit('.', 1)[-1]!r} returned an output without a gradient "
+            "although q, k or v requires grad; this is a bug, please report it (backend='reference' trains)"
+        )
+    return out, lse
+
+
+def resolve(q, k, v, plan, block_table, backend, scale, softcap, return_lse, check_pages, grad=None):
+    """The checks and the backend choice of a call (kept per plan for calls of the same
+    shapes): ``(module, its forward's keyword arguments)``."""
+    if grad not in GRAD_MODES:
+        raise ValueError(f"grad must be one of {GRAD_MODES}, got {grad!r}")
     if not isinstance(plan, (Plan, DevicePlan)):
         check_tensors(q, k, v, plan, block_table)  # raises the plan's TypeError
     if softcap is not None and not softcap > 0:
@@ -188,7 +216,6 @@ def run(q, k, v, plan, block_table=None, backend="auto", scale=None, softcap=Non
     opts = {"softcap": softcap, "return_lse": return_lse}
     if block_table is not None:
         opts["block_table"] = block_table
-    grad = needs_grad(q, k, v)
     key = _call_key(q, k, v, plan, block_table, backend, softcap, return_lse, grad)
     mod = plan.facts.get(key) if key is not None else None
     if mod is None:
@@ -198,24 +225,18 @@ def run(q, k, v, plan, block_table=None, backend="auto", scale=None, softcap=Non
         else:
             _check_pages(k, v, block_table, plan, how)
         if grad:
-            _check_trainable(plan, block_table)
-        mod = _pick(q, plan, backend, {**opts, "grad": grad})
+            check_trainable(plan, block_table)
+        mod = pick(q, plan, backend, {**opts, "grad": grad})
         if key is not None:
             plan.facts[key] = mod
     elif block_table is not None:
         # The key holds what check_paged reads (shapes, dtypes, devices); the entries change.
         page_check.check(block_table, plan, k.shape[0], k.shape[1], how)
     opts["scale"] = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
-    out, lse = mod.forward(q, k, v, plan, **opts)
-    if grad and out.grad_fn is None:  # never a model whose attention silently learns nothing
-        raise RuntimeError(
-            f"spanattn: backend {mod.__name__.rsplit('.', 1)[-1]!r} returned an output without a gradient "
-            "although q, k or v requires grad; this is a bug, please report it (backend='reference' trains)"
-        )
-    return out, lse
+    return mod, opts
 
 
-def _check_trainable(plan, block_table) -> None:
+def check_trainable(plan, block_table) -> None:
     """What no backend trains: a paged cache (serving reads keys in place, and their gradients
     would scatter into cache pages) and a device plan (its capacity-padded rows)."""
     if block_table is not None:
@@ -228,6 +249,13 @@ def _check_trainable(plan, block_table) -> None:
             "gradients with a device plan (DevicePlanner) are not computed: plan a training step with "
             "spanattn.plan(batch, layer), or run under torch.no_grad()"
         )
+
+
+def _autocast(q) -> bool:
+    """Is autocast on for q's device? Then float32 q, k, v run in the autocast dtype (SDPA is on
+    autocast's list of ops that run in it; autograd's casts carry the gradients back to float32)
+    and the backends compute with autocast off: their own precision choices hold."""
+    return torch.is_tensor(q) and torch.is_autocast_enabled(q.device.type)
 
 
 def attention(
@@ -272,8 +300,15 @@ def attention(
         a backend named explicitly runs or raises, never falls back.
     scale: softmax scale, default ``1 / sqrt(D)``. softcap: Gemma-2-style ``c * tanh(s / c)``.
 
+    Gradients: when q, k or v requires grad (and grad mode is on), the output (and the LSE)
+    carry gradients to q, k and v, from the backend's backward (``auto`` takes one that has
+    it), or the call raises naming a backend that trains it; never an output without them.
+    Saved for the backward: q, k, v, the output and its LSE. A paged cache and a device plan
+    do not train. Under autocast, float32 q, k, v are cast to the autocast dtype, as SDPA's are.
+
     Under ``torch.compile`` this is the op ``torch.ops.spanattn.attention`` (ops.py): no graph
-    break, and nothing of a host plan's lengths becomes a guard.
+    break, and nothing of a host plan's lengths becomes a guard; gradients flow through it
+    (grad.py).
 
     >>> import torch, spanattn as sa
     >>> p = sa.plan(sa.Batch([sa.Seq(q_len=3, kv_len=5, spans=[(2, 4)])]), sa.LayerMask())
@@ -281,9 +316,22 @@ def attention(
     >>> sa.attention(q, k, v, p).shape
     torch.Size([3, 2, 16])
     """
-    if torch.compiler.is_compiling():
+    if _autocast(q):
+        device = q.device.type
+        dtype = torch.get_autocast_dtype(device)
+        cast = lambda t: t.to(dtype) if torch.is_tensor(t) and t.dtype == torch.float32 else t
+        with torch.autocast(device, enabled=False):
+            return attention(cast(q), cast(k), cast(v), plan, block_table=block_table, backend=backend,
+                             scale=scale, softcap=softcap, return_lse=return_lse,
+                             check_pages=check_pages)  # fmt: skip
+    grad = "eager" if needs_grad(q, k, v) else None
+    if grad is not None and not torch.compiler.is_compiling():
+        mod, _ = resolve(q, k, v, plan, block_table, backend, scale, softcap, return_lse, check_pages, grad)
+        if not getattr(mod, "NATIVE_AUTOGRAD", False):
+            grad = "op"  # its gradients come from its own backward, through the op's autograd
+    if torch.compiler.is_compiling() or grad == "op":
         from .ops import attention_call
 
         return attention_call(q, k, v, plan, block_table, backend, scale, softcap, return_lse, check_pages)
-    out, lse = run(q, k, v, plan, block_table, backend, scale, softcap, return_lse, check_pages)
+    out, lse = run(q, k, v, plan, block_table, backend, scale, softcap, return_lse, check_pages, grad)
     return (out, lse) if return_lse else out

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from . import api, cache, page_check
+from .backends.dense import lse_dtype
 from .device_plan import DevicePlan
 from .plan import Plan
 
@@ -46,12 +47,17 @@ def _plan(lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, tables, handle, plan_met
     return DevicePlan.from_op(lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, tables, plan_meta)
 
 
+def full_args(args) -> tuple:
+    """An op call's arguments with its defaults: torch passes the implementation a defaulted
+    argument only where the op's caller gave it."""
+    return (*args, *_DEFAULTS)[:_N_ARGS]
+
+
 def _forward(args, return_lse: bool):
-    # torch passes the implementation a defaulted argument only where the op's caller gave it
-    args = (*args, _CHECK_PAGES)[:_N_ARGS]
-    q, k, v, *plan_tensors, block_table, handle, meta, backend, scale, softcap, check_pages = args
+    q, k, v, *plan_tensors, block_table, handle, meta, backend, scale, softcap, pages, grad = full_args(args)
     plan = _plan(*plan_tensors, handle, meta)
-    out, lse = api.run(q, k, v, plan, block_table, backend, scale, softcap, return_lse, check_pages)
+    out, lse = api.run(q, k, v, plan, block_table, backend, scale, softcap, return_lse, pages,
+                       "op" if grad else None)  # fmt: skip
     return out.contiguous(), None if lse is None else lse.contiguous()
 
 
@@ -65,12 +71,13 @@ def _forward_only(name: str):
     return backward
 
 
-# The attention ops' arguments (both plan kinds; see the module docstring).
-_CHECK_PAGES = "deferred"
+# The attention ops' arguments (both plan kinds; see the module docstring); grad: the call will
+# be differentiated through the op's autograd (grad.py), so its backend must have a backward.
+_DEFAULTS = ("deferred", False)
 _ARGS = (
     "Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
     "Tensor? seq_lens, Tensor[] tables, Tensor? block_table, Tensor? handle, str plan_meta, str backend, "
-    f'float? scale, float? softcap, str check_pages="{_CHECK_PAGES}"'
+    f'float? scale, float? softcap, str check_pages="{_DEFAULTS[0]}", bool grad=False'
 )
 _N_ARGS = _ARGS.count(",") + 1
 # A host plan's step is not replayable: its kernels' arguments (tile tables, lengths, item counts)
@@ -86,11 +93,12 @@ def _fake_out(q, v):
 
 
 def _fake_lse(q, v):
-    return _fake_out(q, v), q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+    return _fake_out(q, v), q.new_empty((q.shape[0], q.shape[1]), dtype=lse_dtype(q))
 
 
-def _attention_op(name: str, with_lse: bool, tags: tuple = ()):
-    """The op ``spanattn::<name>``: ``out``, or ``(out, lse)``."""
+def _attention_op(name: str, with_lse: bool, tags: tuple = (), trains: bool = False):
+    """The op ``spanattn::<name>``: ``out``, or ``(out, lse)``; with its gradients where it
+    ``trains`` (grad.py), else forward only."""
     returns = "(Tensor, Tensor)" if with_lse else "Tensor"
 
     def forward(*args):
@@ -102,15 +110,21 @@ def _attention_op(name: str, with_lse: bool, tags: tuple = ()):
         **({"tags": tags} if tags else {}),
     )  # fmt: skip
     op.register_fake(lambda q, k, v, *plan_and_options: (_fake_lse if with_lse else _fake_out)(q, v))
-    op.register_autograd(_forward_only(name), setup_context=lambda ctx, inputs, output: None)
+    if trains:
+        from .grad import register_autograd
+
+        register_autograd(op, with_lse)
+    else:
+        op.register_autograd(_forward_only(name), setup_context=lambda ctx, inputs, output: None)
     return op
 
 
-# Device plans (replayable: CUDA graphs may record them) and host plans (never recorded).
+# Device plans (replayable: CUDA graphs may record them; forward only, as device plans serve) and
+# host plans (never recorded; they train).
 attention_op = _attention_op("attention", False)
 attention_lse_op = _attention_op("attention_lse", True)
-host_attention_op = _attention_op("attention_host_plan", False, _NOT_REPLAYABLE)
-host_attention_lse_op = _attention_op("attention_lse_host_plan", True, _NOT_REPLAYABLE)
+host_attention_op = _attention_op("attention_host_plan", False, _NOT_REPLAYABLE, trains=True)
+host_attention_lse_op = _attention_op("attention_lse_host_plan", True, _NOT_REPLAYABLE, trains=True)
 
 
 @torch.library.custom_op("spanattn::write_kv_cache", mutates_args=("k_cache", "v_cache"))
@@ -129,11 +143,9 @@ def attention_call(q, k, v, plan, block_table, backend, scale, softcap, return_l
     """:func:`spanattn.attention` while torch.compile traces it: the checks that read only
     tensor shapes, then the op (the rest of the checks run inside it)."""
     api.check_tensors(q, k, v, plan, block_table)
-    if api.needs_grad(q, k, v):  # traced here, so a compiled model cannot train without gradients
-        raise RuntimeError(
-            "spanattn's torch ops are forward only (no backward yet): under torch.compile, run "
-            "spanattn.attention under torch.no_grad() or detach q, k, v"
-        )
+    grad = api.needs_grad(q, k, v)
+    if grad:  # refused here already (under torch.compile: while tracing), not at the op's first run
+        api.check_trainable(plan, block_table)
     how = page_check.mode(check_pages)  # a string in the op's schema: "deferred", "sync" or "off"
     host = isinstance(plan, Plan)
     if host:
@@ -143,6 +155,9 @@ def attention_call(q, k, v, plan, block_table, backend, scale, softcap, return_l
         tables, handle, meta = plan.op_tables, None, plan.op_meta
     args = (q, k, v, plan.lo, plan.hi, *lengths, tables, block_table, handle, meta, backend, scale, softcap,
             how)  # fmt: skip
+    if grad:  # the LSE is what the backward needs besides the output: always the _lse op
+        out, lse = host_attention_lse_op(*args, True)
+        return (out, lse) if return_lse else out
     if return_lse:
         return (host_attention_lse_op if host else attention_lse_op)(*args)
     return (host_attention_op if host else attention_op)(*args)

@@ -68,14 +68,28 @@ def test_write_kv_cache_op_passes_opcheck():
     torch.library.opcheck(ops.write_kv_cache_op, (k, v, kc, kc.clone(), slots, None))
 
 
-@pytest.mark.parametrize("op", OPS + HOST_OPS, ids=lambda op: op._name)
-def test_autograd_reaching_an_op_raises(op):
+@pytest.mark.parametrize("op", OPS, ids=lambda op: op._name)
+def test_autograd_reaching_a_device_plan_op_raises(op):
     p, q, k, v, *_ = paged_step(STEP, LAYER, 2, 1, 16, 16, torch.float32)
     q.requires_grad_(True)
     out = op(*_args(q, k, v, p, None, "reference"))
     out = out[0] if isinstance(out, tuple) else out
     with pytest.raises(RuntimeError, match=f"{op._name} is forward only"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_host_plan_ops_pass_opcheck_with_gradients(backend):
+    # opcheck differentiates the ops (eager and through AOT dispatch) and the backward op
+    p, q, k, v, *_ = paged_step(STEP, LAYER, 2, 1, 16, 16, torch.float32)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    for op in HOST_OPS:
+        torch.library.opcheck(op, (*_args(q, k, v, p, None, backend), "deferred", True))
+    out, lse = ops.host_attention_lse_op(*_args(q, k, v, p, None, backend), "deferred", True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    saved = (q.detach(), k.detach(), v.detach(), out.detach(), lse.detach())
+    args = (dout, dlse, *saved, p.handle, backend, 0.3, None)
+    torch.library.opcheck(sa.grad.backward_op, args)
 
 
 @pytest.mark.parametrize("return_lse", [False, True])

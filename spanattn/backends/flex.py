@@ -43,6 +43,8 @@ def unavailable(q, plan, **opts) -> str | None:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
     except ImportError:
         return f"torch {torch.__version__} has no FlexAttention (needs torch >= 2.5)"
+    if q.dtype == torch.float64:
+        return "the flex backend computes in float16/bfloat16/float32, not float64"
     if q.device.type not in ("cuda", "cpu"):
         return f"flex backend runs on cuda or cpu, not {q.device.type}"
     d = q.shape[-1]

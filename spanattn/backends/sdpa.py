@@ -6,9 +6,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .reference import capture_refusal, outputs, per_sequence
+from .dense import capture_refusal, outputs, per_sequence
+from .dense_backward import backward as backward  # the op's backward under torch.compile
 
 DEVICE_PLANS = True  # as the reference backend: not while capturing a graph
+NATIVE_AUTOGRAD = True  # as the reference backend: torch's autograd differentiates SDPA in eager calls
 
 
 def unavailable(q, plan, *, softcap=None, **opts) -> str | None:
@@ -18,7 +20,7 @@ def unavailable(q, plan, *, softcap=None, **opts) -> str | None:
 
 
 def no_backward(q, plan, **opts) -> str | None:
-    return None  # torch's autograd differentiates SDPA
+    return None
 
 
 def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False, block_table=None):
@@ -30,6 +32,6 @@ def forward(q, k, v, plan, *, scale, softcap=None, return_lse=False, block_table
         out[rows] = o[0].transpose(0, 1)
         if return_lse:
             # SDPA does not return the log-sum-exp; recompute it from the scores in fp32.
-            s = (qi[0].float() @ ki[0].float().transpose(-1, -2)) * scale
+            s = (qi[0].to(lse.dtype) @ ki[0].to(lse.dtype).transpose(-1, -2)) * scale
             lse[rows] = torch.logsumexp(s.masked_fill(~mask, float("-inf")), -1).transpose(0, 1)
     return out, lse

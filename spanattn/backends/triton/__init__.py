@@ -227,6 +227,8 @@ def unavailable(q, plan, **opts) -> str | None:
         return f"triton is not installed ({e})"
     if q.device.type != "cuda" and not kernel.INTERPRETED:
         return f"needs a CUDA device (q is on {q.device}) or TRITON_INTERPRET=1 set before import"
+    if q.dtype == torch.float64:
+        return "its kernels compute in float16/bfloat16/float32, not float64"
     if kernel.INTERPRETED and q.dtype == torch.bfloat16:
         return "the Triton interpreter (TRITON_INTERPRET=1) cannot run bfloat16"
     d = q.shape[-1]
