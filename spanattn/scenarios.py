@@ -69,6 +69,42 @@ def scenarios(scale: int = 1) -> dict[str, Scenario]:
     return {s.id: s for s in out}
 
 
+def packed_samples(scale: int = 1, seed: int = 2, tokens: int = 32768, samples: int = 16) -> list[Seq]:
+    """A padding-free fine-tuning batch: ``samples`` samples of 1k-3.5k tokens (``seed``; their
+    lengths beyond 1k shrunk alike to fill ``tokens`` exactly), each with one or two 256-token
+    images (the first after a short prompt, a second past its middle), every sample its own
+    causal sequence; lengths divided by ``scale``."""
+    g = torch.Generator().manual_seed(seed)
+    extra = torch.randint(0, 3584 - 1024 + 1, (samples,), generator=g).double()
+    lengths = 1024 + (extra * (tokens - 1024 * samples) / extra.sum()).floor().long()
+    lengths[-1] += tokens - int(lengths.sum())
+    two = torch.rand(samples, generator=g) < 0.5
+    img = max(1, 256 // scale)
+    seqs = []
+    for n, second in zip((lengths // scale).tolist(), two.tolist()):
+        starts = [max(1, 32 // scale)] + ([n // 2] if second else [])
+        seqs.append(Seq(n, spans=[(s, s + img - 1) for s in starts]))
+    return seqs
+
+
+def training_scenarios(scale: int = 1) -> dict[str, Scenario]:
+    """The training steps of DESIGN.md section 6 (forward and backward): T0-T2 are S0-S2, T3 a
+    packed fine-tuning batch (``packed_samples``) under a clamped 1024-token window (T3) and a
+    global layer with spans on (T3g), T5 is S5 (d512)."""
+    s = scenarios(scale)
+    w = max(1, 1024 // scale)
+    batch = Batch(packed_samples(scale))
+    like = lambda sid, src, dims: Scenario(sid, s[src].what, s[src].batch, s[src].layer, dims)
+    what = "packed fine-tuning batch, 16 samples with images"
+    out = [like(f"T{i}", f"S{i}", (128, 256)) for i in range(3)]
+    out += [
+        Scenario("T3", f"{what}, W=1024 clamp", batch, LayerMask(window=w, spans="clamp"), (128, 256)),
+        Scenario("T3g", f"{what}, global, spans on", batch, LayerMask(spans="on"), (128, 256)),
+        like("T5", "S5", (512,)),
+    ]
+    return {x.id: x for x in out}
+
+
 def video_frames(scale: int = 1, frames: int = 64, frame: int = 256, stamp: int = 16) -> tuple[list, int]:
     """A video prompt: ``frames`` frames of ``frame`` tokens, each after ``stamp`` timestamp text
     tokens, then a 64-token question; ``((start, end, 0) spans, tokens)``, lengths divided by

@@ -32,3 +32,15 @@ def test_packed_cases_parse_a_scripts_list_or_end_the_run_naming_the_bad_one(cap
     with pytest.raises(SystemExit):
         packed_cases(ap, "S3-256,S1-128-p16")
     assert "'S1-128-p16' is not SCENARIO-HEAD_DIM" in capsys.readouterr().err
+
+
+def test_training_scenarios_pack_sixteen_samples_with_images():
+    from spanattn.scenarios import training_scenarios
+
+    t = training_scenarios()
+    seqs = t["T3"].batch.seqs
+    assert t["T3"].batch is t["T3g"].batch and len(seqs) == 16 and sum(s.q_len for s in seqs) == 32768
+    assert all(1024 <= s.q_len <= 3584 and s.causal and s.q_len == s.kv_len for s in seqs)
+    assert all(len(s.spans) in (1, 2) and all(e - b + 1 == 256 for b, e in s.spans) for s in seqs)
+    assert {len(s.spans) for s in seqs} == {1, 2}
+    assert t["T1"].batch is not None and t["T5"].head_dims == (512,)

@@ -113,9 +113,32 @@ def unavailable(q, plan, **opts) -> str | None:
 
 
 def no_backward(q, plan, **opts) -> str | None:
-    # Its calls go around FA4's autograd (fa4_direct.py records them) and a step of both causal
-    # flags writes one output from two launches.
-    return "the fa4 backend computes no gradients yet"
+    """Gradients come from FA4's own backward (``backward``) on its own masks of one sequence: no
+    active span (its block-sparse backward takes no varlen step, and our sparse path's tables
+    are the forward's), and no neighbour in the step (its backward tiles, 48 to 128 keys and 64
+    to 128 queries by head_dim, would read across a sequence's end where no layout of ours keeps
+    them apart, and a masked 0 times a neighbour's NaN is NaN)."""
+    if not builtin(plan):
+        return "FA4's backward takes no span mask over a packed step (triton trains it)"
+    if plan.num_seqs > 1:
+        return "FA4's backward tiles would cross the step's sequences (triton trains it)"
+    return None
+
+
+def backward(q, k, v, out, lse, dout, plan, *, scale, softcap=None, dlse=None):
+    """FA4's varlen backward (deterministic) on the built-in path's step (``no_backward``)."""
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    causal = fa4_flags.flags(plan)[0]
+    left, right = fa4_flags.window(plan, causal)
+    contiguous = lambda t: None if t is None else t.transpose(0, 1).contiguous()  # FA4's LSE is [Hq, rows]
+    dq, dk, dv = _flash_attn_bwd(
+        q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), dout.contiguous(), contiguous(lse),
+        scale, causal, softcap or 0.0, window_size_left=left, window_size_right=right,
+        cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k, max_seqlen_q=plan.max_seqlen_q,
+        max_seqlen_k=plan.max_seqlen_k, deterministic=True, dlse=contiguous(dlse),
+    )  # fmt: skip
+    return dq, dk, dv
 
 
 def auto_declines(q, plan, **opts) -> str | None:

@@ -56,8 +56,16 @@ def unavailable(q, plan, **opts) -> str | None:
     return None
 
 
+# Eager calls with inputs that require grad differentiate through FlexAttention's own backward
+# (its compiled kernels, from the BlockMask's query-side tables); under torch.compile the op has
+# no backward of flex's to call, and auto takes another backend there.
+NATIVE_AUTOGRAD = True
+
+
 def no_backward(q, plan, **opts) -> str | None:
-    return "the flex backend computes no gradients yet"
+    if not q.is_cuda:
+        return "torch's FlexAttention has no backward on CPU"
+    return None
 
 
 def prepare(plan, head_dim: int | None = None) -> None:
@@ -68,12 +76,13 @@ def prepare(plan, head_dim: int | None = None) -> None:
 
 
 @functools.cache
-def _from_kv_blocks_extra() -> dict:
+def _from_kv_blocks_extra(q_blocks: bool) -> dict:
     from torch.nn.attention.flex_attention import BlockMask
 
-    # Forward only: skip building the transposed (q-block) tables where torch allows it.
+    # Without gradients, skip building the transposed (q-block) tables where torch allows it:
+    # only flex's backward walks them.
     params = inspect.signature(BlockMask.from_kv_blocks).parameters
-    return {"compute_q_blocks": False} if "compute_q_blocks" in params else {}
+    return {"compute_q_blocks": q_blocks} if "compute_q_blocks" in params else {}
 
 
 def mask_mod(alo, ahi, q_group=None, k_group=None, clamp: bool = False):
@@ -131,7 +140,7 @@ def _attend(q, k, v, mask, kv_num, kv_idx, full_num, full_idx, scale, softcap, r
         BLOCK_SIZE=(BLOCK_M, BLOCK_N),
         mask_mod=mask,
         seq_lengths=(q.shape[2], k.shape[2]),
-        **_from_kv_blocks_extra(),
+        **_from_kv_blocks_extra(q.requires_grad or k.requires_grad or v.requires_grad),
     )
     kw = {"score_mod": score_mod, "block_mask": block_mask, "scale": scale, "enable_gqa": True}
     if not return_lse:
@@ -184,10 +193,13 @@ def aligned_step(step, q, k, v, plan, scale, softcap, return_lse):
     """The packed step in the aligned layout through ``step`` (compiled ``_flex_step``, or
     ``_flex_group_step`` for a plan with span groups)."""
     layout = aligned_layout(plan, BLOCK_M, BLOCK_N)
+    # the plan's reused buffers would be overwritten by the next layer while autograd holds them
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    keep = None if grad else plan
     out, lse = _call(
         step,
-        scatter_rows(q, layout.q, plan, "q"),
-        *(scatter_rows(x, layout.k, plan, name) for x, name in ((k, "k"), (v, "v"))),
+        scatter_rows(q, layout.q, keep, "q"),
+        *(scatter_rows(x, layout.k, keep, name) for x, name in ((k, "k"), (v, "v"))),
         layout.lo, layout.hi, aligned_tile_tables(plan, BLOCK_M, BLOCK_N), scale, softcap, return_lse,
         layout.groups,
     )  # fmt: skip
