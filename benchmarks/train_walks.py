@@ -1,0 +1,283 @@
+"""Training speed per useful pair on the training scenarios (T0-T3, T3g, T5): the backward alone
+and forward + backward, every contender's gradients checked in the same call, the contenders
+alternating.
+
+    python benchmarks/train_walks.py --out results/ [--rounds 5] [--cases T1-128,T5-512] [--scale 1]
+
+Contenders: the spanattn backends that train the step (triton; fa4 where FA4's own backward
+runs it; flex, FlexAttention's compiled kernels and backward from the plan's BlockMask; sdpa
+with each sequence's dense mask), SDPA's causal kernel on T5 (``is_causal``: the one d512
+backward there is), and FA4's built-in causal/window backward on the step's causal twin (every
+sequence causal, spans off, the same window): the speed of light per pair, the mask it cannot
+express left out. FLOPs count allowed pairs only: backward ``10 * D * Hq * pairs``, forward +
+backward ``14 * D * Hq * pairs`` (the FA2/FA3 convention). Efficiency: a contender's backward
+rate per allowed pair over FA4's built-in backward's on its own pairs, per round, medians.
+
+Checks, before any timing: each contender's dq, dk, dv (and the LSE's gradient for spanattn's
+backends) against the fp64 truth by the rule of spanattn.oracle.GradTruth on the step scaled
+down 8x (fresh inputs, NaN-poisoned memory); at full size, two backward calls of each spanattn
+backend bit for bit equal (determinism). Peak memory of one forward + backward beyond q, k, v,
+the output gradient and the results. Without a GPU: the dense backends (and triton under
+TRITON_INTERPRET=1) at ``--scale 64``, a smoke run. Writes ``<date>-train-walks-<gpu>.json`` and
+a PNG of the efficiencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+import spanattn as sa
+from spanattn.bench.report import environment, pyplot, result_path
+from spanattn.bench.timing import rotated
+from spanattn.oracle import GradTruth
+from spanattn.scenarios import HKV, HQ, training_scenarios
+
+CASES = [("T0", 128), ("T0", 256), ("T1", 128), ("T1", 256), ("T2", 128), ("T2", 256), ("T3", 128),
+         ("T3", 256), ("T3g", 128), ("T3g", 256), ("T5", 512)]  # fmt: skip
+BACKENDS = ("triton", "fa4", "flex", "sdpa")
+
+
+def _inputs(plan, d, dtype, seed):
+    g = torch.Generator(device=plan.device).manual_seed(seed)
+    shapes = ((plan.total_q, HQ), (plan.total_k, HKV), (plan.total_k, HKV))
+    return [
+        torch.randn(n, h, d, generator=g, device=plan.device, dtype=dtype).requires_grad_() for n, h in shapes
+    ]
+
+
+def _backend(name: str, d: int):
+    """``(trains(q, plan) -> str | None, step(q, k, v, plan) -> out)`` of a spanattn backend."""
+    mod = sa.backends.load(name)
+
+    def trains(q, p):
+        return mod.unavailable(q, p, scale=d**-0.5) or mod.no_backward(q, p)
+
+    return trains, lambda q, k, v, p: sa.attention(q, k, v, p, backend=name)
+
+
+def _sdpa_causal(d: int):
+    """torch SDPA with ``is_causal`` over one causal sequence (its memory-efficient kernel at d512)."""
+    import torch.nn.functional as F
+
+    def runs(q, p):
+        one = p.num_seqs == 1 and p.layer.window is None and p.batch.seqs[0].causal
+        return None if one and not any(s.spans for s in p.batch.seqs) else "one causal sequence only"
+
+    def step(q, k, v, p):
+        qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=d**-0.5, enable_gqa=True)
+        return o[0].transpose(0, 1)
+
+    return runs, step
+
+
+def _fa4_builtin(d: int):
+    """FA4's built-in causal/window call with its own autograd, or None where FA4 is absent or
+    stops short of ``d``."""
+    if d > 256:
+        return None
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception:  # optional peer: any import failure means "not here"
+        return None
+
+    def step(q, k, v, p):
+        w = p.layer.window
+        return flash_attn_varlen_func(q, k, v, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k,
+                                      max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_k,
+                                      softmax_scale=d**-0.5, causal=True,
+                                      window_size=(None, None) if w is None else (w - 1, 0))[0]  # fmt: skip
+
+    return step
+
+
+def contenders(d: int, device: str) -> dict:
+    """name -> (why it cannot train the step or None, step): what this machine can time."""
+    names = BACKENDS if device == "cuda" else ("triton", "sdpa", "reference")
+    out = {n: _backend(n, d) for n in names if n in sa.backends.BACKENDS}
+    if device == "cuda" and d == 512:
+        out["sdpa causal"] = _sdpa_causal(d)
+    return out
+
+
+def _check(trains, step, small, d, dtype, device, backend: str | None) -> dict:
+    """``backend``: a spanattn backend's name (its LSE's gradient is checked too), else None."""
+    p = sa.plan(small.batch, small.layer, device)
+    q, k, v = _inputs(p, d, dtype, seed=1)
+    why = trains(q, p)
+    if why is not None:
+        return {"ok": None, "why": f"cannot run the scaled-down step: {why}"}
+    torch.full((8 * q.numel(),), float("nan"), device=device)  # poison what the gradients will reuse
+    g = torch.Generator(device=device).manual_seed(2)
+    dout = torch.randn(q.shape, generator=g, device=device, dtype=dtype)
+    if backend is not None:
+        dlse = torch.randn(q.shape[:2], generator=g, device=device)
+        out, lse = sa.attention(q, k, v, p, backend=backend, return_lse=True)
+        grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    else:
+        dlse = None
+        grads = torch.autograd.grad(step(q, k, v, p), (q, k, v), dout)
+    verdict = GradTruth(q, k, v, p, dout, dlse, scale=d**-0.5).check(*grads)
+    return verdict.as_dict()
+
+
+def _time_ms(fn, device, reps: int) -> float:
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=3, rep=reps * 10, return_mode="median"))
+    import time
+
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / reps
+
+
+def _peak_mb(fwd_bwd, device) -> float | None:
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    grads = fwd_bwd()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del grads
+    return round(peak / 2**20, 1)
+
+
+def run_case(sid: str, d: int, args, device: str, dtype) -> dict:
+    sc = training_scenarios(args.scale)[sid]
+    small = training_scenarios(args.scale * (8 if device == "cuda" else 1))[sid]
+    p = sa.plan(sc.batch, sc.layer, device)
+    q, k, v = _inputs(p, d, dtype, seed=0)
+    dout = torch.randn_like(q)
+    row = {"scenario": sid, "d": d, "what": sc.what, "allowed_pairs": p.allowed_pairs(), "contenders": {}}
+    timed = {}  # name -> (fwd_bwd(), bwd(), pairs)
+    for name, (trains, step) in contenders(d, device).items():
+        why = trains(q, p)
+        if why is not None:
+            row["contenders"][name] = {"status": f"cannot train this step: {why}"}
+            continue
+        ours = name if name in sa.backends.BACKENDS else None
+        entry = row["contenders"][name] = {"check": _check(trains, step, small, d, dtype, device, ours)}
+        if entry["check"].get("ok") is False:
+            continue
+        fwd_bwd = lambda s=step: torch.autograd.grad(s(q, k, v, p), (q, k, v), dout)
+        try:
+            entry["peak_mb"] = _peak_mb(fwd_bwd, device)
+            out = step(q, k, v, p)
+        except torch.OutOfMemoryError as e:
+            entry["status"] = f"out of memory: {str(e).splitlines()[0]}"
+            continue
+        bwd = lambda o=out: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)
+        if ours:
+            entry["deterministic"] = all(torch.equal(a, b) for a, b in zip(bwd(), bwd()))
+        timed[name] = (fwd_bwd, bwd, p.allowed_pairs())
+    light = _fa4_builtin(d) if device == "cuda" else None
+    if light is not None:
+        tp = sa.plan(sa.Batch([sa.Seq(s.q_len, s.kv_len) for s in sc.batch.seqs]),
+                     sa.LayerMask(window=sc.layer.window, spans="off"), device)  # fmt: skip
+        out = light(q, k, v, tp)
+        timed["fa4-builtin"] = (lambda: torch.autograd.grad(light(q, k, v, tp), (q, k, v), dout),
+                                lambda o=out: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True),
+                                tp.allowed_pairs())  # fmt: skip
+        row["contenders"]["fa4-builtin"] = {"note": "speed of light: the causal twin's mask, not checked"}
+    names = list(timed)
+    rounds = {(n, part): [] for n in names for part in ("fwd_bwd", "bwd")}
+    for r in range(args.rounds):
+        for n in rotated(names, r):
+            for i, part in enumerate(("fwd_bwd", "bwd")):
+                rounds[n, part].append(_time_ms(timed[n][i], device, args.reps))
+    for n in names:
+        pairs, entry = timed[n][2], row["contenders"][n]
+        for part, flops in (("fwd_bwd", 14), ("bwd", 10)):
+            ms = statistics.median(rounds[n, part])
+            entry[f"{part}_ms"], entry[f"{part}_rounds_ms"] = ms, rounds[n, part]
+            entry[f"{part}_tflops"] = flops * d * HQ * pairs / (ms * 1e-3) / 1e12
+        if "fa4-builtin" in timed and n != "fa4-builtin":
+            lp = timed["fa4-builtin"][2]
+            per_round = [
+                (pairs / t) / (lp / t0) for t, t0 in zip(rounds[n, "bwd"], rounds["fa4-builtin", "bwd"])
+            ]
+            entry["bwd_efficiency"] = statistics.median(per_round)
+    return row
+
+
+def _line(row) -> str:
+    parts = []
+    for n, c in row["contenders"].items():
+        if "bwd_ms" in c:
+            eff = f" eff {c['bwd_efficiency']:.3f}" if "bwd_efficiency" in c else ""
+            mem = f" {c['peak_mb']:.0f} MB" if c.get("peak_mb") is not None else ""
+            parts.append(f"{n} bwd {c['bwd_ms']:.3f} ms {c['bwd_tflops']:.0f} TF{eff}, "
+                         f"fwd+bwd {c['fwd_bwd_ms']:.3f} ms {c['fwd_bwd_tflops']:.0f} TF{mem}")  # fmt: skip
+        else:
+            parts.append(f"{n}: {c.get('status') or c.get('check')}")
+    return f"{row['scenario']} d{row['d']}: " + " | ".join(parts)
+
+
+def _draw(path, rows) -> None:
+    plt = pyplot()
+    cases = [r for r in rows if any("bwd_tflops" in c for c in r["contenders"].values())]
+    if plt is None or not cases:
+        return
+    names = sorted({n for r in cases for n, c in r["contenders"].items() if "bwd_tflops" in c})
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(cases)), 4))
+    width = 0.8 / len(names)
+    for i, n in enumerate(names):
+        xs = [c + (i - (len(names) - 1) / 2) * width for c in range(len(cases))]
+        ys = [r["contenders"].get(n, {}).get("bwd_tflops", 0.0) for r in cases]
+        ax.bar(xs, ys, width, label=n)
+        for x, y in zip(xs, ys):
+            if y:
+                ax.text(x, y + 2, f"{y:.0f}", ha="center", fontsize=6)
+    ax.set_xticks(range(len(cases)), [f"{r['scenario']} d{r['d']}" for r in cases])
+    ax.set_ylabel("backward TFLOP/s over allowed pairs")
+    ax.set_title("Backward: 10 * D * Hq * allowed pairs / time (medians of alternating rounds)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="folder for the JSON and PNG")
+    ap.add_argument("--cases", default="", help="comma-separated id-head_dim (T1-128) or ids; default all")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per step")
+    ap.add_argument("--reps", type=int, default=5, help="a contender's time per round and part, in 10 ms")
+    ap.add_argument("--scale", type=int, default=None, help="divide token counts (default 1; 64 on CPU)")
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.scale = args.scale or (1 if device == "cuda" else 64)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    only = set(filter(None, args.cases.split(",")))
+    unknown = only - {sid for sid, _ in CASES} - {f"{sid}-{d}" for sid, d in CASES}
+    if unknown:
+        ap.error(f"--cases: {', '.join(sorted(unknown))} not among {', '.join(f'{s}-{d}' for s, d in CASES)}")
+    env = environment(device)
+    path = result_path(args.out, "train-walks", env)
+    rows = []
+    for sid, d in CASES:
+        if only and sid not in only and f"{sid}-{d}" not in only:
+            continue
+        rows.append(run_case(sid, d, args, device, dtype))
+        print(_line(rows[-1]), flush=True)
+        meta = {**env, "scale": args.scale, "rounds": args.rounds, "flops": "backward 10 * D * Hq * pairs, "
+                "forward + backward 14 * D * Hq * pairs (allowed pairs only)"}  # fmt: skip
+        path.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    _draw(path.with_suffix(".png"), rows)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
