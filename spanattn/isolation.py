@@ -107,3 +107,30 @@ def stale_slot_violations(run: Callable, q, k_cache, v_cache, block_table, plan,
         caches.append((kc, vc))
     clean = run(q, *caches[0])
     return not_finite(plan, clean) + compare_others(plan, clean, run(q, *caches[1]), None)
+
+
+def gradient_isolation_violations(
+    run: Callable, q, k, v, dout, plan, *, victim: int, value: float, parts: str = "qkvo", clean=None
+) -> list[str]:
+    """The promise in the backward: ``run(q, k, v, dout) -> (dq, dk, dv)`` on packed inputs as
+    given and with sequence ``victim``'s rows of ``parts`` (any of "q", "k", "v" and "o" for the
+    output's gradient) set to ``value``; every other sequence's dq (its query rows) and dk, dv
+    (its key rows) must keep their bits, and the clean gradients be finite."""
+    clean = run(q, k, v, dout) if clean is None else clean
+    cu_q, cu_k = plan.cu_seqlens_q.cpu(), plan.cu_seqlens_k.cpu()
+    qr, kr = _rows(cu_q, victim), _rows(cu_k, victim)
+    dirty = run(
+        poisoned(q, qr, value) if "q" in parts else q,
+        poisoned(k, kr, value) if "k" in parts else k,
+        poisoned(v, kr, value) if "v" in parts else v,
+        poisoned(dout, qr, value) if "o" in parts else dout,
+    )
+    found = []
+    for name, a, b, cu in zip(("dq", "dk", "dv"), clean, dirty, (cu_q, cu_k, cu_k)):
+        for i in range(plan.num_seqs):
+            rows = _rows(cu, i)
+            if not bool(torch.isfinite(a[rows]).all()):
+                found.append(f"sequence {i}'s {name} is not finite")
+            if i != victim and not bitwise_equal(a[rows], b[rows]):
+                found.append(f"sequence {i}'s {name} changed")
+    return found

@@ -150,17 +150,14 @@ class Tally:
     failures: list = field(default_factory=list)
 
 
-_COUNTS = [f.name for f in fields(Tally) if type(f.default) is int]  # what merge adds up
-
-
 def merge(parts: list[dict]) -> dict:
     """One :class:`Tally` per backend from runs over disjoint cases (``fuzz`` with ``first``, e.g.
     in processes of their own): counts added, the worst ratio the worst, failures in order."""
     merged = {}
     for tallies in parts:
         for name, t in tallies.items():
-            m = merged.setdefault(name, Tally())
-            for count in _COUNTS:
+            m = merged.setdefault(name, type(t)())
+            for count in (f.name for f in fields(t) if type(f.default) is int):
                 setattr(m, count, getattr(m, count) + getattr(t, count))
             m.worst_ratio = max(m.worst_ratio, t.worst_ratio)
             m.failures += t.failures
