@@ -3,7 +3,8 @@ the GPU scripts: a result in dtype X passes when
 
     err(result vs fp64 truth) <= 2 * err(the reference computed in X vs fp64 truth) + 1e-4
 
-(max abs error, FA4's rule), for the output and the LSE alike. NaN never passes.
+(max abs error, FA4's rule), for the output and the LSE alike, and for each of dq, dk, dv
+(``GradTruth``: torch autograd through the reference, in fp64 for the truth). NaN never passes.
 
 >>> import torch, spanattn as sa
 >>> p = sa.plan(sa.Batch([sa.Seq(q_len=5, spans=[(1, 3)])]), sa.LayerMask(window=2))
@@ -83,3 +84,58 @@ class Truth:
         if lse is not None:
             verdict.lse_err, verdict.lse_bound = max_err(lse, self.lse), self.lse_bound
         return verdict
+
+
+@dataclass
+class GradVerdict:
+    """One :class:`Verdict` per gradient; ``ok`` when all three pass."""
+
+    dq: Verdict
+    dk: Verdict
+    dv: Verdict
+
+    @property
+    def ok(self) -> bool:
+        return self.dq.ok and self.dk.ok and self.dv.ok
+
+    def as_dict(self) -> dict:
+        return {"dq": self.dq.as_dict(), "dk": self.dk.as_dict(), "dv": self.dv.as_dict(), "ok": self.ok}
+
+    def __str__(self) -> str:
+        return f"dq {self.dq}; dk {self.dk}; dv {self.dv}"
+
+
+class GradTruth:
+    """The rule for gradients: dq, dk, dv of one call against torch autograd through the
+    reference in fp64 (the truth, on fp64 copies of the inputs) and in the inputs' dtype (the
+    bound), for the output's gradient ``dout`` and, if given, the LSE output's ``dlse``.
+
+    >>> import torch, spanattn as sa
+    >>> p = sa.plan(sa.Batch([sa.Seq(q_len=5, spans=[(1, 3)])]), sa.LayerMask(window=2))
+    >>> q, k, v = torch.randn(5, 2, 16), torch.randn(5, 1, 16), torch.randn(5, 1, 16)
+    >>> t = GradTruth(q, k, v, p, torch.randn(5, 2, 16))
+    >>> t.check(*t.grads).ok
+    True
+    """
+
+    def __init__(self, q, k, v, plan, dout, dlse=None, *, scale: float | None = None, softcap=None):
+        opts = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, softcap=softcap)
+        self.grads = _reference_grads(q, k, v, plan, dout, dlse, torch.float64, opts)
+        same = _reference_grads(q, k, v, plan, dout, dlse, q.dtype, opts)
+        self.bounds = [2 * max_err(a, b) + 1e-4 for a, b in zip(same, self.grads)]
+
+    def check(self, dq, dk, dv) -> GradVerdict:
+        return GradVerdict(
+            *(Verdict(max_err(g, t), b) for g, t, b in zip((dq, dk, dv), self.grads, self.bounds))
+        )
+
+
+def _reference_grads(q, k, v, plan, dout, dlse, dtype, opts) -> tuple:
+    """dq, dk, dv of ``reference.forward`` computed in ``dtype`` on copies of the inputs in it."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = reference.forward(*leaves, plan, compute_dtype=dtype, return_lse=True, **opts)
+    outs, grads = [out], [dout.to(dtype)]
+    if dlse is not None:
+        outs.append(lse)
+        grads.append(dlse.to(lse.dtype))  # the reference LSE is fp32 whatever it computes in
+    return torch.autograd.grad(outs, leaves, grads)
