@@ -89,6 +89,24 @@ GLUON_CONFIGS = {
 # Small tiles for TRITON_INTERPRET=1 (CPU tests): cheap per step and many tile edges to cross.
 INTERPRETER_CONFIG = Config(16, 16, 4, 1)
 
+# The backward's kernels (backward.py), per head_dim: (dK/dV, dQ). The dK/dV kernel holds a key
+# tile's K and V (block_n x head_dim, fp16/bf16) and fp32 dK, dV accumulators (block_n x head_dim
+# / dv_split each) while it walks block_m-query tiles; the dQ kernel holds a query tile's Q, dO
+# and fp32 dQ while it walks block_n-key tiles. dv_split: programs sharing a tile, each owning
+# 1/dv_split of the output columns (recomputing the scores and dO V^T at full width, as the
+# forward's d512 split does). UNTESTED GUESSES, to be checked on an H100 (registers, spills,
+# speed): held state sized to ~100-130 registers a thread (d16-d64 on 4 warps after the Triton
+# tutorial's fused-attention backward: 32-query x 128-key dK/dV tiles, 128 x 32 dQ tiles; 8
+# warps from d128), per-tile operands small enough for 2-3 pipeline stages in shared memory.
+BACKWARD_CONFIGS = {
+    16: (Config(32, 128, 4, 3), Config(128, 32, 4, 3)),
+    32: (Config(32, 128, 4, 3), Config(128, 32, 4, 3)),
+    64: (Config(32, 128, 4, 3), Config(128, 32, 4, 3)),
+    128: (Config(32, 64, 8, 2), Config(64, 64, 8, 2)),
+    256: (Config(32, 32, 8, 2), Config(64, 32, 8, 2)),
+    512: (Config(32, 16, 8, 1, dv_split=2), Config(32, 32, 8, 1, dv_split=2)),
+}
+
 
 def next_pow2(n: int) -> int:
     """The smallest power of two >= ``n`` (>= 1). Plain Python: ``triton.next_power_of_2`` is a
@@ -147,3 +165,15 @@ def _fit_fp32(cfg: Config, d: int, budget: int = 160 * 1024) -> Config:
     while smem() > budget and bm > 16:
         bm //= 2
     return replace(cfg, block_m=bm, block_n=bn, num_stages=stages)
+
+
+@functools.cache
+def pick_backward(head_dim: int, dtype: torch.dtype, interpreted: bool) -> tuple[Config, Config]:
+    """The backward's (dK/dV, dQ) configs of a layer kind (BACKWARD_CONFIGS); fp32 halves every
+    tile edge (to 16 at least): twice the bytes per element in registers and shared memory."""
+    if interpreted:
+        return INTERPRETER_CONFIG, INTERPRETER_CONFIG
+    pair = BACKWARD_CONFIGS[padded_head_dim(head_dim)]
+    if dtype != torch.float32:
+        return pair
+    return tuple(replace(c, block_m=max(16, c.block_m // 2), block_n=max(16, c.block_n // 2)) for c in pair)
