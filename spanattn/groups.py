@@ -186,19 +186,51 @@ def tile_runs(
     Rows of ``runs`` past the last run are unused."""
     g, s, e = (c.contiguous() for c in groups.spans.long().unbind(1))
     base = cu_seqlens_k.long()[torch.searchsorted(cu_seqlens_k[1:].long(), s, right=True)]
-    s, e = s - base, e - base
-    first_tile, last_tile = s // block_n, e // block_n
-    prev_last = torch.cat([last_tile.new_full((1,), -2), last_tile[:-1]])
-    prev_group = torch.cat([g.new_full((1,), -1), g[:-1]])
-    new = (g != prev_group) | (first_tile > prev_last + 1)  # not adjacent to the group's last tile
-    run = torch.cumsum(new.long(), 0) - 1
-    m, n = len(g), groups.num_groups
-    full = lambda size, v: torch.full((size,), v, dtype=torch.int64, device=s.device)
+    return _runs(g, s - base, e - base, torch.ones_like(g, dtype=torch.bool), block_n, groups.num_groups)
+
+
+def query_tile_runs(
+    groups: SpanGroups, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tile_runs`` read by queries: where a kernel walking ``block_m``-query tiles (a backward
+    pass's dK/dV programs, each holding a key tile) finds each group's queries. ``runs`` int32
+    ``[m, 2]``: ``[start, end)`` query indices local to the group's sequence's chunk (``0 ..
+    q_len - 1``; starts on a tile edge) of maximal runs of consecutive query tiles holding a
+    query of one group; ``index`` int32 ``[num_groups, 2]`` as in ``tile_runs``. A span holds
+    the chunk's queries at its positions ``ctx ..`` (``ctx = kv_len - q_len``); spans wholly in
+    the cache hold none and make no run (a group without queries in the step has ``first >=
+    end``)."""
+    g, s, e = (c.contiguous() for c in groups.spans.long().unbind(1))
+    cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
+    seq = torch.searchsorted(cu_k[1:], s, right=True)
+    first_query = cu_k[seq] + (cu_k.diff() - cu_q.diff())[seq]  # the packed key row of query 0
+    first, last = (s - first_query).clamp_min(0), e - first_query
+    return _runs(g, first, last, last >= 0, block_m, groups.num_groups)
+
+
+def _runs(g, first, last, keep, block: int, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tile_runs``' tables from span pieces: group ``g``, positions ``first .. last`` in the
+    group's sequence (int64 ``[m]`` each, ordered by group then position), only pieces with
+    ``keep``. A kept piece starts a new run unless the previous KEPT piece is of its group and
+    ends in its first tile or the one before; pieces left out take no part in any run."""
+    m = len(g)
+    first_tile, last_tile = first // block, last // block
+    # the previous kept piece of each piece (-1: none), found without a Python loop
+    kept_at = torch.where(keep, torch.arange(m, device=g.device), -1)
+    prev = torch.cat([kept_at.new_full((1,), -1), torch.cummax(kept_at, 0).values[:-1]])
+    prev_c = prev.clamp_min(0)
+    prev_last = torch.where(prev >= 0, last_tile[prev_c], -2)
+    prev_group = torch.where(prev >= 0, g[prev_c], -1)
+    new = keep & ((g != prev_group) | (first_tile > prev_last + 1))  # not next to its group's last tile
+    run = (torch.cumsum(new.long(), 0) - 1).clamp_min(0)  # left-out pieces scatter neutral values
+    full = lambda size, v: torch.full((size,), v, dtype=torch.int64, device=g.device)
+    big = 2**31 - 1
     runs = torch.stack(
-        [full(m, 2**31 - 1).scatter_reduce(0, run, first_tile * block_n, "amin"),
-         full(m, -1).scatter_reduce(0, run, e + 1, "amax")], 1,
+        [full(m, big).scatter_reduce(0, run, torch.where(keep, first_tile * block, big), "amin"),
+         full(m, -1).scatter_reduce(0, run, torch.where(keep, last + 1, -1), "amax")], 1,
     )  # fmt: skip
     index = torch.stack(
-        [full(n, m).scatter_reduce(0, g, run, "amin"), full(n, 0).scatter_reduce(0, g, run + 1, "amax")], 1
-    )
+        [full(num_groups, m).scatter_reduce(0, g, torch.where(keep, run, m), "amin"),
+         full(num_groups, 0).scatter_reduce(0, g, torch.where(keep, run + 1, 0), "amax")], 1,
+    )  # fmt: skip
     return runs.to(torch.int32), index.to(torch.int32)

@@ -32,3 +32,19 @@ PRE_TILES = tl.constexpr(WALK.index("pre_tiles"))
 POST_START = tl.constexpr(WALK.index("post_start"))
 POST_TILES = tl.constexpr(WALK.index("post_tiles"))
 N_WALK = tl.constexpr(len(WALK))
+
+# The backward's dK/dV pass (key_schedule.py, kernel_bwd.py), one row per key tile: the tile's
+# sequence (its first packed key and query rows, lengths), the tile's first key in it, and its
+# query walk in ``block_m``-query tiles, query indices local to the chunk: the column hull
+# ``[q_start, q_end)`` of its keys with the FULL query tiles in ``[full_start, full_end)``.
+KEY_INFO = ("k_row0", "kv_len", "n_start", "q_row0", "q_len", "q_start", "q_end", "full_start", "full_end")
+
+KEY_K_ROW0 = tl.constexpr(KEY_INFO.index("k_row0"))
+KEY_KV_LEN = tl.constexpr(KEY_INFO.index("kv_len"))
+KEY_N_START = tl.constexpr(KEY_INFO.index("n_start"))
+KEY_Q_ROW0 = tl.constexpr(KEY_INFO.index("q_row0"))
+KEY_Q_LEN = tl.constexpr(KEY_INFO.index("q_len"))
+KEY_Q_START = tl.constexpr(KEY_INFO.index("q_start"))
+KEY_Q_END = tl.constexpr(KEY_INFO.index("q_end"))
+KEY_FULL_START = tl.constexpr(KEY_INFO.index("full_start"))
+KEY_FULL_END = tl.constexpr(KEY_INFO.index("full_end"))

@@ -89,6 +89,30 @@ GLUON_CONFIGS = {
 # Small tiles for TRITON_INTERPRET=1 (CPU tests): cheap per step and many tile edges to cross.
 INTERPRETER_CONFIG = Config(16, 16, 4, 1)
 
+# The backward's kernels (backward.py), per head_dim: (dK/dV, dQ). The dK/dV kernel holds a key
+# tile's K and V (block_n x head_dim) and fp32 dK, dV accumulators (block_n x head_dim / dv_split
+# each) while it walks block_m-query tiles; the dQ kernel holds a query tile's Q, dO and fp32 dQ
+# while it walks block_n-key tiles. dv_split: programs sharing a tile, each owning 1/dv_split of
+# the output columns (recomputing the scores and dO V^T at full width, as the forward's d512).
+# Chosen by ptxas's report for sm_90 alone (benchmarks/compile_stats_backward.py, triton 3.9,
+# bf16; registers per thread in the comments, without span groups / with groups in clamp mode
+# and a softcap): no spills but d256's dQ with groups and a softcap (20 B), Hopper's wgmma where
+# 64 rows a warpgroup fit. NOT YET RUN OR TIMED ON A GPU: guesses until then (fp32, which halves
+# every tile edge in pick_backward, not even compiled). Rejected for spills: dK/dV d16-d64 32 x
+# 128 on 4 warps (the Triton tutorial's; 32-528 B), d128 64 x 64 or 64 x 128 (76-200 B), d256 on
+# 64-key tiles (96-1220 B, split in two too), d512 on 32-key tiles (8 B; 3 KB at 64); dQ d256
+# 128 x 32 (12 B) and 64 x 64 (196 B), d512 64-query tiles (116-456 B). d256 and d512's dK/dV
+# tiles (32 and 16 keys) and d512's dQ tiles are below wgmma's 64 rows: the older mma
+# instructions, the likeliest place to gain (a split of the walk, or a Gluon kernel).
+BACKWARD_CONFIGS = {
+    16: (Config(64, 128, 8, 2), Config(128, 32, 4, 3)),  # 210-246 / 121-194 registers
+    32: (Config(64, 128, 8, 2), Config(128, 32, 4, 3)),  # 174-244 / 140-199
+    64: (Config(64, 128, 8, 2), Config(128, 64, 8, 3)),  # 230-255 / 147-218
+    128: (Config(32, 128, 8, 2), Config(128, 32, 8, 2)),  # 243-255 / 163-200
+    256: (Config(32, 32, 8, 2), Config(64, 32, 8, 2)),  # 177-255 / 237-255
+    512: (Config(32, 16, 8, 1, dv_split=2), Config(32, 32, 8, 1, dv_split=2)),  # 170-176 / 184-200
+}
+
 
 def next_pow2(n: int) -> int:
     """The smallest power of two >= ``n`` (>= 1). Plain Python: ``triton.next_power_of_2`` is a
@@ -147,3 +171,15 @@ def _fit_fp32(cfg: Config, d: int, budget: int = 160 * 1024) -> Config:
     while smem() > budget and bm > 16:
         bm //= 2
     return replace(cfg, block_m=bm, block_n=bn, num_stages=stages)
+
+
+@functools.cache
+def pick_backward(head_dim: int, dtype: torch.dtype, interpreted: bool) -> tuple[Config, Config]:
+    """The backward's (dK/dV, dQ) configs of a layer kind (BACKWARD_CONFIGS); fp32 halves every
+    tile edge (to 16 at least): twice the bytes per element in registers and shared memory."""
+    if interpreted:
+        return INTERPRETER_CONFIG, INTERPRETER_CONFIG
+    pair = BACKWARD_CONFIGS[padded_head_dim(head_dim)]
+    if dtype != torch.float32:
+        return pair
+    return tuple(replace(c, block_m=max(16, c.block_m // 2), block_n=max(16, c.block_n // 2)) for c in pair)

@@ -1,0 +1,87 @@
+"""Compile the backward kernels (kernel_dkdv.py, kernel_dq.py) for sm_90 on any machine (no GPU
+needed) and print what ptxas reports per head_dim and config: registers per thread, spills,
+shared memory. compile_stats.py's filter for the forward, for the backward's tiles
+(configs.BACKWARD_CONFIGS): a config that spills rarely wins the timing.
+
+    python benchmarks/compile_stats_backward.py                     # every shipped config, bf16
+    python benchmarks/compile_stats_backward.py --dims 128 --groups clamp --softcap
+    python benchmarks/compile_stats_backward.py --dims 128 --dkdv 32,64,8,2 --dq 64,64,8,2
+
+A config is BLOCK_M,BLOCK_N,num_warps,num_stages[,dv_split]; arguments are specialized as a real
+launch's (16-divisible pointers and strides, Hq 16 / Hkv 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compile_stats import _report, divisible, sass  # noqa: E402
+
+from spanattn.backends.triton import kernel_dkdv, kernel_dq  # noqa: E402
+from spanattn.backends.triton.columns import INFO, KEY_INFO  # noqa: E402
+from spanattn.backends.triton.configs import Config, padded_head_dim, pick_backward  # noqa: E402
+
+FLOATS = {name: "*bf16" for name in ("Q", "K", "V", "DO", "DQ", "DK", "DV")}
+FLOATS.update(
+    {"LSE2": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "softcap_log2": "fp32", "scale": "fp32"}
+)
+
+
+def stats(fn, cfg: Config, d: int, n_info: int, groups: str, softcap: bool) -> dict:
+    sig = {}
+    for name, param in inspect.signature(fn.fn).parameters.items():
+        if param.annotation is not inspect.Parameter.empty:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = FLOATS.get(name, "i32" if name.startswith("stride_") else "*i32")
+    const = {
+        "HQ": 16, "GROUP": 2, "HEAD_DIM": padded_head_dim(d), "D": d, "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n, "SPLIT": cfg.dv_split, "SOFTCAP": softcap, "DOT_PRECISION": "tf32",
+        "WHILE_LOOPS": False, "N_INFO": n_info, "GROUPS": bool(groups), "CLAMP": groups == "clamp",
+    }  # fmt: skip
+    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=divisible(sig))
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    # Hopper's wgmma needs 64 rows a warpgroup; smaller tiles get the older mma instructions
+    return {**_report(kernel), "wgmma": "HGMMA" in sass(kernel.asm["cubin"])}
+
+
+def config(text: str) -> Config:
+    """``BLOCK_M,BLOCK_N,num_warps,num_stages[,dv_split]``."""
+    bm, bn, warps, stages, *split = (int(x) for x in text.split(","))
+    return Config(bm, bn, warps, stages, dv_split=split[0] if split else 1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dims", default="16,32,64,128,256,512")
+    ap.add_argument("--dkdv", type=config, help="instead of the shipped dK/dV config")
+    ap.add_argument("--dq", type=config, help="instead of the shipped dQ config")
+    ap.add_argument("--groups", default="", choices=["", "on", "clamp"])
+    ap.add_argument("--softcap", action="store_true")
+    args = ap.parse_args()
+    print("kernel d (block_m, block_n, warps, stages, split) shared_bytes wgmma registers spill_stores_bytes")
+    for d in (int(x) for x in args.dims.split(",")):
+        dkdv, dq = pick_backward(d, torch.bfloat16, False)
+        for name, fn, cfg, n_info in (("dkdv", kernel_dkdv.attn_bwd_dkdv, args.dkdv or dkdv, len(KEY_INFO)),
+                                      ("dq", kernel_dq.attn_bwd_dq, args.dq or dq, len(INFO))):  # fmt: skip
+            r = stats(fn, cfg, d, n_info, args.groups, args.softcap)
+            ptxas = " ".join(r["ptxas"])
+            regs = re.search(r"Used (\d+) registers", ptxas).group(1)
+            spills = re.search(r"(\d+) bytes spill stores", ptxas).group(1)
+            shape = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.dv_split)
+            print(name, d, shape, r["shared_bytes"], r["wgmma"], regs, spills, flush=True)
+
+
+if __name__ == "__main__":
+    main()
