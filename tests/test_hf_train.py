@@ -32,12 +32,16 @@ def _gradients(model, kw) -> dict[str, torch.Tensor]:
     return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_every_parameter_gets_eager_attentions_gradient(name):
+@pytest.mark.parametrize(
+    "name, backend", [(name, "auto") for name in FAMILIES] + [("gemma3", "triton"), ("gemma4", "triton")]
+)
+def test_every_parameter_gets_eager_attentions_gradient(name, backend):
     if not hm.available(name):
         pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    if backend == "triton":
+        pytest.importorskip("triton")
     eager = hm.build(name)
-    ours = sahf.enable(copy.deepcopy(eager))
+    ours = sahf.enable(copy.deepcopy(eager), backend=backend)
     kw = hm.inputs(name)
     want, got = _gradients(eager, kw), _gradients(ours, kw)
     missing = sorted(n for n, g in want.items() if g is not None and got[n] is None)

@@ -1,4 +1,4 @@
-"""The triton backend's backward kernels (backends/triton/backward.py) against fp64 truth by
+"""The triton backend's backward kernels (backends/triton/gradients.py) against fp64 truth by
 oracle.GradTruth's rule, under TRITON_INTERPRET=1 when there is no GPU: one fixed step per
 feature, random layouts, every head_dim form (padded, split columns), the LSE's gradient;
 isolation (a poisoned sequence changes no other sequence's gradients by a bit), determinism,
@@ -28,8 +28,8 @@ for name, kernel in (("kernel", "attn_fwd"), ("bwd_scores", "bwd_preprocess"), (
                      ("kernel_dkdv", "attn_bwd_dkdv")):  # fmt: skip
     load(f"backends.triton.{name}", kernel)
 from spanattn.backends import triton as tb  # noqa: E402
-from spanattn.backends.triton.backward import backward  # noqa: E402
 from spanattn.backends.triton.configs import Config  # noqa: E402
+from spanattn.backends.triton.gradients import backward  # noqa: E402
 
 
 def inputs(plan, hq=2, hkv=1, d=32, dtype=torch.float16, dlse=False, seed=0):

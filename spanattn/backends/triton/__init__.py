@@ -238,7 +238,15 @@ def unavailable(q, plan, **opts) -> str | None:
 
 
 def no_backward(q, plan, **opts) -> str | None:
-    return "the triton backend has no backward kernels yet"
+    return None  # gradients.py: every step its forward kernels run on packed K/V of a host plan
+
+
+def backward(q, k, v, out, lse, dout, plan, *, scale, softcap=None, dlse=None):
+    """dq, dk, dv from the forward's ``out`` and ``lse`` (gradients.py: the dK/dV kernel over each
+    key tile's column hull, the dQ kernel over each query tile's row hull)."""
+    from .gradients import backward as kernels  # imported on first use, like the forward's kernels
+
+    return kernels(q, k, v, out, lse, dout, plan, scale=scale, softcap=softcap, dlse=dlse)
 
 
 def forward(
@@ -444,4 +452,4 @@ def gluon_group_args(plan, sched) -> tuple | None:
     return g.q_group, g.k_group, plan_key_tile_groups(plan, sched.block_n), sched.walk
 
 
-__all__ = ["Config", "forward", "no_backward", "prepare", "unavailable"]
+__all__ = ["Config", "backward", "forward", "no_backward", "prepare", "unavailable"]
