@@ -17,6 +17,7 @@ import hf_models as hm  # noqa: E402
 from hf_models import one_thread  # noqa: E402, F401
 
 TOL = 1e-5
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the triton backend runs on CPU only interpreted
 FAMILIES = ["gemma3", "gemma4", "gemma4_unified", "paligemma2", "molmo2"]
 
 
@@ -40,9 +41,9 @@ def test_every_parameter_gets_eager_attentions_gradient(name, backend):
         pytest.skip(f"transformers {transformers.__version__} has no {name}")
     if backend == "triton":
         pytest.importorskip("triton")
-    eager = hm.build(name)
+    eager = hm.build(name).to(DEV)
     ours = sahf.enable(copy.deepcopy(eager), backend=backend)
-    kw = hm.inputs(name)
+    kw = {k: v.to(DEV) for k, v in hm.inputs(name).items()}
     want, got = _gradients(eager, kw), _gradients(ours, kw)
     missing = sorted(n for n, g in want.items() if g is not None and got[n] is None)
     assert not missing, f"no gradient through spanattn for {missing}"
