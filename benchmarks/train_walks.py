@@ -249,7 +249,8 @@ def _draw(path, rows) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for the JSON and PNG")
-    ap.add_argument("--cases", default="", help="comma-separated id-head_dim (T1-128) or ids; default all")
+    ap.add_argument("--cases", default="", help="comma-separated id-head_dim (T1-128) or ids, run in "
+                    "this order; default all")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per step")
     ap.add_argument("--reps", type=int, default=5, help="a contender's time per round and part, in 10 ms")
     ap.add_argument("--scale", type=int, default=None, help="divide token counts (default 1; 64 on CPU)")
@@ -257,16 +258,16 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args.scale = args.scale or (1 if device == "cuda" else 64)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    only = set(filter(None, args.cases.split(",")))
-    unknown = only - {sid for sid, _ in CASES} - {f"{sid}-{d}" for sid, d in CASES}
+    only = list(filter(None, args.cases.split(",")))
+    unknown = set(only) - {sid for sid, _ in CASES} - {f"{sid}-{d}" for sid, d in CASES}
     if unknown:
         ap.error(f"--cases: {', '.join(sorted(unknown))} not among {', '.join(f'{s}-{d}' for s, d in CASES)}")
     env = environment(device)
     path = result_path(args.out, "train-walks", env)
     rows = []
-    for sid, d in CASES:
-        if only and sid not in only and f"{sid}-{d}" not in only:
-            continue
+    # in the order asked (the JSON is written after each case: a run cut short keeps the first)
+    order = [c for want in only for c in CASES if want in (c[0], f"{c[0]}-{c[1]}")] if only else CASES
+    for sid, d in order:
         rows.append(run_case(sid, d, args, device, dtype))
         print(_line(rows[-1]), flush=True)
         meta = {**env, "scale": args.scale, "rounds": args.rounds, "flops": "backward 10 * D * Hq * pairs, "
