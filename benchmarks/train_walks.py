@@ -29,6 +29,7 @@ import json
 import statistics
 
 import torch
+import torch._functorch.config
 
 import spanattn as sa
 from spanattn.bench.report import environment, pyplot, result_path
