@@ -110,12 +110,15 @@ def stale_slot_violations(run: Callable, q, k_cache, v_cache, block_table, plan,
 
 
 def gradient_isolation_violations(
-    run: Callable, q, k, v, dout, plan, *, victim: int, value: float, parts: str = "qkvo", clean=None
-) -> list[str]:
+    run: Callable, q, k, v, dout, plan, *, victim: int, value: float, parts: str = "qkvo", clean=None,
+    bounds=None,
+) -> list[str]:  # fmt: skip
     """The promise in the backward: ``run(q, k, v, dout) -> (dq, dk, dv)`` on packed inputs as
     given and with sequence ``victim``'s rows of ``parts`` (any of "q", "k", "v" and "o" for the
     output's gradient) set to ``value``; every other sequence's dq (its query rows) and dk, dv
-    (its key rows) must keep their bits, and the clean gradients be finite."""
+    (its key rows) must keep their bits, and the clean gradients be finite. With ``bounds`` (a
+    backward that does not repeat its bits: ``clean`` is then the truth), the others' rows must
+    stay within them of ``clean`` instead."""
     clean = run(q, k, v, dout) if clean is None else clean
     cu_q, cu_k = plan.cu_seqlens_q.cpu(), plan.cu_seqlens_k.cpu()
     qr, kr = _rows(cu_q, victim), _rows(cu_k, victim)
@@ -126,11 +129,16 @@ def gradient_isolation_violations(
         poisoned(dout, qr, value) if "o" in parts else dout,
     )
     found = []
-    for name, a, b, cu in zip(("dq", "dk", "dv"), clean, dirty, (cu_q, cu_k, cu_k)):
+    spans = (cu_q, cu_k, cu_k)
+    for name, a, b, cu, bound in zip(("dq", "dk", "dv"), clean, dirty, spans, bounds or (None,) * 3):
         for i in range(plan.num_seqs):
             rows = _rows(cu, i)
             if not bool(torch.isfinite(a[rows]).all()):
                 found.append(f"sequence {i}'s {name} is not finite")
-            if i != victim and not bitwise_equal(a[rows], b[rows]):
+            if i == victim:
+                continue
+            if bound is None and not bitwise_equal(a[rows], b[rows]):
                 found.append(f"sequence {i}'s {name} changed")
+            if bound is not None and not (b[rows].double() - a[rows].double()).abs().max() <= bound:
+                found.append(f"sequence {i}'s {name} left the rule's bound")
     return found

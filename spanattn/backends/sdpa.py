@@ -11,6 +11,10 @@ from .dense_backward import backward as backward  # the op's backward under torc
 
 DEVICE_PLANS = True  # as the reference backend: not while capturing a graph
 NATIVE_AUTOGRAD = True  # as the reference backend: torch's autograd differentiates SDPA in eager calls
+# torch's SDPA backward on CUDA (the memory-efficient kernel, the one that takes a mask) does not
+# repeat its bits call to call (H100, torch 2.11: every head_dim of train_walks.py); values hold
+# the rule, and each sequence is its own call, so isolation holds in value.
+REPEATABLE_BACKWARD_ON_CUDA = False
 
 
 def unavailable(q, plan, *, softcap=None, **opts) -> str | None:
