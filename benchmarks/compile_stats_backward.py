@@ -5,6 +5,7 @@ shared memory. compile_stats.py's filter for the forward, for the backward's til
 
     python benchmarks/compile_stats_backward.py                     # every shipped config, bf16
     python benchmarks/compile_stats_backward.py --dims 128 --groups clamp --softcap
+    python benchmarks/compile_stats_backward.py --fp32                              # fp32's tiles
     python benchmarks/compile_stats_backward.py --dims 128 --dkdv 32,64,8,2 --dq 64,64,8,2
 
 A config is BLOCK_M,BLOCK_N,num_warps,num_stages[,dv_split]; arguments are specialized as a real
@@ -37,17 +38,19 @@ FLOATS.update(
 )
 
 
-def stats(fn, cfg: Config, d: int, n_info: int, groups: str, softcap: bool) -> dict:
+def stats(fn, cfg: Config, d: int, n_info: int, groups: str, softcap: bool, fp32: bool = False) -> dict:
     sig = {}
     for name, param in inspect.signature(fn.fn).parameters.items():
         if param.annotation is not inspect.Parameter.empty:
             sig[name] = "constexpr"
         else:
             sig[name] = FLOATS.get(name, "i32" if name.startswith("stride_") else "*i32")
+            sig[name] = sig[name].replace("bf16", "fp32") if fp32 else sig[name]
     const = {
         "HQ": 16, "GROUP": 2, "HEAD_DIM": padded_head_dim(d), "D": d, "BLOCK_M": cfg.block_m,
-        "BLOCK_N": cfg.block_n, "SPLIT": cfg.dv_split, "SOFTCAP": softcap, "DOT_PRECISION": "tf32",
-        "WHILE_LOOPS": False, "N_INFO": n_info, "GROUPS": bool(groups), "CLAMP": groups == "clamp",
+        "BLOCK_N": cfg.block_n, "SPLIT": cfg.dv_split, "SOFTCAP": softcap,
+        "DOT_PRECISION": "ieee" if fp32 else "tf32", "WHILE_LOOPS": False, "N_INFO": n_info,
+        "GROUPS": bool(groups), "CLAMP": groups == "clamp",
     }  # fmt: skip
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=divisible(sig))
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
@@ -69,13 +72,14 @@ def main():
     ap.add_argument("--dq", type=config, help="instead of the shipped dQ config")
     ap.add_argument("--groups", default="", choices=["", "on", "clamp"])
     ap.add_argument("--softcap", action="store_true")
+    ap.add_argument("--fp32", action="store_true", help="fp32 inputs (pick_backward's fp32 tiles)")
     args = ap.parse_args()
     print("kernel d (block_m, block_n, warps, stages, split) shared_bytes wgmma registers spill_stores_bytes")
     for d in (int(x) for x in args.dims.split(",")):
-        dkdv, dq = pick_backward(d, torch.bfloat16, False)
+        dkdv, dq = pick_backward(d, torch.float32 if args.fp32 else torch.bfloat16, False)
         for name, fn, cfg, n_info in (("dkdv", kernel_dkdv.attn_bwd_dkdv, args.dkdv or dkdv, len(KEY_INFO)),
                                       ("dq", kernel_dq.attn_bwd_dq, args.dq or dq, len(INFO))):  # fmt: skip
-            r = stats(fn, cfg, d, n_info, args.groups, args.softcap)
+            r = stats(fn, cfg, d, n_info, args.groups, args.softcap, args.fp32)
             ptxas = " ".join(r["ptxas"])
             regs = re.search(r"Used (\d+) registers", ptxas).group(1)
             spills = re.search(r"(\d+) bytes spill stores", ptxas).group(1)

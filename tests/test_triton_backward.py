@@ -28,7 +28,7 @@ for name, kernel in (("kernel", "attn_fwd"), ("bwd_scores", "bwd_preprocess"), (
                      ("kernel_dkdv", "attn_bwd_dkdv")):  # fmt: skip
     load(f"backends.triton.{name}", kernel)
 from spanattn.backends import triton as tb  # noqa: E402
-from spanattn.backends.triton.configs import Config  # noqa: E402
+from spanattn.backends.triton.configs import Config, pick_backward  # noqa: E402
 from spanattn.backends.triton.gradients import backward  # noqa: E402
 
 
@@ -137,6 +137,15 @@ def test_tile_shapes_and_column_splits(dkdv, dq):
     """Programs sharing a tile by output columns (d512's form), and query tiles wider than key
     tiles and the reverse, on a padded head_dim with span groups."""
     check(GROUPED, sa.LayerMask(window=8, spans="on"), hq=2, hkv=1, d=48, config=(dkdv, dq))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("d", [16, 64, 128, 256, 512])
+def test_gpu_tiles(d, dtype):
+    """The tiles configs.pick_backward gives a GPU, run here: tiles up to 128 rows over
+    sequences of 30-60, columns split at d512 (and fp32's dQ from d128)."""
+    config = pick_backward(d, dtype, interpreted=False)
+    check(GROUPED, sa.LayerMask(window=8, spans="clamp"), hq=2, hkv=1, d=d, dtype=dtype, config=config)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -97,13 +97,12 @@ INTERPRETER_CONFIG = Config(16, 16, 4, 1)
 # Chosen by ptxas's report for sm_90 alone (benchmarks/compile_stats_backward.py, triton 3.9,
 # bf16; registers per thread in the comments, without span groups / with groups in clamp mode
 # and a softcap): no spills but d256's dQ with groups and a softcap (20 B), Hopper's wgmma where
-# 64 rows a warpgroup fit. NOT YET RUN OR TIMED ON A GPU: guesses until then (fp32, which halves
-# every tile edge in pick_backward, not even compiled). Rejected for spills: dK/dV d16-d64 32 x
-# 128 on 4 warps (the Triton tutorial's; 32-528 B), d128 64 x 64 or 64 x 128 (76-200 B), d256 on
-# 64-key tiles (96-1220 B, split in two too), d512 on 32-key tiles (8 B; 3 KB at 64); dQ d256
-# 128 x 32 (12 B) and 64 x 64 (196 B), d512 64-query tiles (116-456 B). d256 and d512's dK/dV
-# tiles (32 and 16 keys) and d512's dQ tiles are below wgmma's 64 rows: the older mma
-# instructions, the likeliest place to gain (a split of the walk, or a Gluon kernel).
+# 64 rows a warpgroup fit. NOT YET RUN OR TIMED ON A GPU: guesses until then. Rejected for
+# spills: dK/dV d16-d64 32 x 128 on 4 warps (the Triton tutorial's; 32-528 B), d128 64 x 64 or
+# 64 x 128 (76-200 B), d256 on 64-key tiles (96-1220 B, split in two too), d512 on 32-key tiles
+# (8 B; 3 KB at 64); dQ d256 128 x 32 (12 B) and 64 x 64 (196 B), d512 64-query tiles (116-456
+# B). d256 and d512's dK/dV tiles (32 and 16 keys) and d512's dQ tiles are below wgmma's 64
+# rows: the older mma instructions, the likeliest place to gain (a split of the walk, or Gluon).
 BACKWARD_CONFIGS = {
     16: (Config(64, 128, 8, 2), Config(128, 32, 4, 3)),  # 210-246 / 121-194 registers
     32: (Config(64, 128, 8, 2), Config(128, 32, 4, 3)),  # 174-244 / 140-199
@@ -111,6 +110,19 @@ BACKWARD_CONFIGS = {
     128: (Config(32, 128, 8, 2), Config(128, 32, 8, 2)),  # 243-255 / 163-200
     256: (Config(32, 32, 8, 2), Config(64, 32, 8, 2)),  # 177-255 / 237-255
     512: (Config(32, 16, 8, 1, dv_split=2), Config(32, 32, 8, 1, dv_split=2)),  # 170-176 / 184-200
+}
+
+# fp32 (dots in IEEE fp32: no tensor cores, operands in registers): halving the tiles above
+# spilled up to 852 B (dQ d128), 32 x 32 tiles up to 5 KB (d256), so small tiles, columns split
+# from dQ d128 and dK/dV d512. ptxas, the same four variants: 0-68 B spilled (most at d16-d64).
+# As untried on a GPU as the above.
+BACKWARD_FP32_CONFIGS = {
+    16: (Config(16, 32, 4, 2), Config(32, 16, 4, 2)),
+    32: (Config(16, 32, 4, 2), Config(32, 16, 4, 2)),
+    64: (Config(16, 32, 4, 2), Config(32, 16, 4, 2)),
+    128: (Config(16, 32, 8, 1), Config(16, 16, 8, 1, dv_split=2)),
+    256: (Config(16, 32, 8, 1), Config(16, 16, 8, 1, dv_split=2)),
+    512: (Config(16, 16, 8, 1, dv_split=2), Config(16, 16, 8, 1, dv_split=2)),
 }
 
 
@@ -175,11 +187,9 @@ def _fit_fp32(cfg: Config, d: int, budget: int = 160 * 1024) -> Config:
 
 @functools.cache
 def pick_backward(head_dim: int, dtype: torch.dtype, interpreted: bool) -> tuple[Config, Config]:
-    """The backward's (dK/dV, dQ) configs of a layer kind (BACKWARD_CONFIGS); fp32 halves every
-    tile edge (to 16 at least): twice the bytes per element in registers and shared memory."""
+    """The backward's (dK/dV, dQ) configs of a layer kind (BACKWARD_CONFIGS, or
+    BACKWARD_FP32_CONFIGS for fp32 inputs)."""
     if interpreted:
         return INTERPRETER_CONFIG, INTERPRETER_CONFIG
-    pair = BACKWARD_CONFIGS[padded_head_dim(head_dim)]
-    if dtype != torch.float32:
-        return pair
-    return tuple(replace(c, block_m=max(16, c.block_m // 2), block_n=max(16, c.block_n // 2)) for c in pair)
+    table = BACKWARD_FP32_CONFIGS if dtype == torch.float32 else BACKWARD_CONFIGS
+    return table[padded_head_dim(head_dim)]
