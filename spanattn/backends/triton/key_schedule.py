@@ -97,7 +97,7 @@ def build_key_schedule(plan, block_m: int, block_n: int, lpt: bool = True) -> Ke
         "full_end": full_end,
     }
     info = torch.stack([cols[c] for c in KEY_INFO], 1).to(torch.int32)
-    first, last = q_start, q_end
+    first, last = torch.where(walks, q_start, BIG), torch.where(walks, q_end, -1)
     g = plan.groups
     if g is not None:  # the walk reaches the queries of its keys' groups as well
         index, runs = (t.long() for t in query_group_args(plan, block_m)[2:])
