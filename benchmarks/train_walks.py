@@ -30,12 +30,14 @@ import statistics
 
 import torch
 import torch._functorch.config
+from short_walks import _builtin, _causal_twin, _time_ms  # this folder (FA4's call: autograd runs through it)
+from short_walks import _inputs as short_walks_inputs
 
 import spanattn as sa
 from spanattn.bench.report import environment, pyplot, result_path
 from spanattn.bench.timing import rotated
 from spanattn.oracle import GradTruth
-from spanattn.scenarios import HKV, HQ, training_scenarios
+from spanattn.scenarios import HQ, training_scenarios
 
 # The backward alone is timed again and again on one forward's graph (retain_graph), which
 # compiled graphs with donated buffers (FlexAttention's) refuse.
@@ -47,11 +49,7 @@ BACKENDS = ("triton", "fa4", "flex", "sdpa")
 
 
 def _inputs(plan, d, dtype, seed):
-    g = torch.Generator(device=plan.device).manual_seed(seed)
-    shapes = ((plan.total_q, HQ), (plan.total_k, HKV), (plan.total_k, HKV))
-    return [
-        torch.randn(n, h, d, generator=g, device=plan.device, dtype=dtype).requires_grad_() for n, h in shapes
-    ]
+    return [t.requires_grad_() for t in short_walks_inputs(plan, d, dtype, seed)]
 
 
 def _backend(name: str, d: int):
@@ -78,26 +76,6 @@ def _sdpa_causal(d: int):
         return o[0].transpose(0, 1)
 
     return runs, step
-
-
-def _fa4_builtin(d: int):
-    """FA4's built-in causal/window call with its own autograd, or None where FA4 is absent or
-    stops short of ``d``."""
-    if d > 256:
-        return None
-    try:
-        from flash_attn.cute import flash_attn_varlen_func
-    except Exception:  # optional peer: any import failure means "not here"
-        return None
-
-    def step(q, k, v, p):
-        w = p.layer.window
-        return flash_attn_varlen_func(q, k, v, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k,
-                                      max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_k,
-                                      softmax_scale=d**-0.5, causal=True,
-                                      window_size=(None, None) if w is None else (w - 1, 0))[0]  # fmt: skip
-
-    return step
 
 
 def contenders(d: int, device: str) -> dict:
@@ -130,20 +108,6 @@ def _check(trains, step, small, d, dtype, device, backend: str | None) -> dict:
     return verdict.as_dict()
 
 
-def _time_ms(fn, device, reps: int) -> float:
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=3, rep=reps * 10, return_mode="median"))
-    import time
-
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / reps
-
-
 def _peak_mb(fwd_bwd, device) -> float | None:
     if device != "cuda":
         return None
@@ -166,6 +130,8 @@ def run_case(sid: str, d: int, args, device: str, dtype) -> dict:
     row = {"scenario": sid, "d": d, "what": sc.what, "allowed_pairs": p.allowed_pairs(), "contenders": {}}
     timed = {}  # name -> (fwd_bwd(), bwd(), pairs)
     for name, (trains, step) in contenders(d, device).items():
+        if args.contenders and name not in args.contenders.split(","):
+            continue
         why = trains(q, p)
         if why is not None:
             row["contenders"][name] = {"status": f"cannot train this step: {why}"}
@@ -185,10 +151,9 @@ def run_case(sid: str, d: int, args, device: str, dtype) -> dict:
             entry["status"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             continue
         timed[name] = (fwd_bwd, bwd, p.allowed_pairs())
-    light = _fa4_builtin(d) if device == "cuda" else None
+    light = _builtin(d) if device == "cuda" else None
     if light is not None:
-        tp = sa.plan(sa.Batch([sa.Seq(s.q_len, s.kv_len) for s in sc.batch.seqs]),
-                     sa.LayerMask(window=sc.layer.window, spans="off"), device)  # fmt: skip
+        tp = sa.plan(*_causal_twin(sc), device)
         out = light(q, k, v, tp)
         timed["fa4-builtin"] = (lambda: torch.autograd.grad(light(q, k, v, tp), (q, k, v), dout),
                                 lambda o=out: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True),
@@ -256,6 +221,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="folder for the JSON and PNG")
     ap.add_argument("--cases", default="", help="comma-separated id-head_dim (T1-128) or ids, run in "
                     "this order; default all")  # fmt: skip
+    ap.add_argument("--contenders", default="", help="comma-separated names to time (default all here; "
+                    "FA4's built-in backward is timed wherever FA4 runs)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per step")
     ap.add_argument("--reps", type=int, default=5, help="a contender's time per round and part, in 10 ms")
     ap.add_argument("--scale", type=int, default=None, help="divide token counts (default 1; 64 on CPU)")
