@@ -10,6 +10,7 @@ import math
 import torch
 
 from . import backends, page_check
+from .arguments import positive
 from .cache import check_paged
 from .device_plan import DevicePlan
 from .plan import Plan
@@ -45,6 +46,9 @@ def check_tensors(q, k, v, plan, block_table=None) -> None:
             raise ValueError(f"{name} is on {t.device} but the plan is on {device}; plan on the same device")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, size in (("q heads", q.shape[1]), ("k/v heads", k.shape[-2]), ("head_dim", k.shape[-1])):
+        if size == 0:
+            raise ValueError(f"{name} must be >= 1, got 0 (q {tuple(q.shape)}, k {tuple(k.shape)})")
     if q.shape[0] != plan.lo.shape[0]:
         what = "has room for" if plan.capacity is not None else "packs"
         raise ValueError(f"q has {q.shape[0]} tokens but the plan {what} {plan.lo.shape[0]} queries")
@@ -161,8 +165,7 @@ def run(q, k, v, plan, block_table=None, backend="auto", scale=None, softcap=Non
     ``(out, lse or None)``."""
     if not isinstance(plan, (Plan, DevicePlan)):
         check_tensors(q, k, v, plan, block_table)  # raises the plan's TypeError
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    scale, softcap = positive("scale", scale), positive("softcap", softcap)
     how = page_check.mode(check_pages)
     opts = {"softcap": softcap, "return_lse": return_lse}
     if block_table is not None:
