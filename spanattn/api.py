@@ -11,7 +11,7 @@ import torch
 
 from . import backends, page_check
 from .arguments import positive
-from .cache import check_paged
+from .cache import check_block_size, check_paged
 from .device_plan import DevicePlan
 from .plan import Plan
 
@@ -38,6 +38,7 @@ def check_tensors(q, k, v, plan, block_table=None) -> None:
                     f"{name} must be a paged cache [num_blocks, block_size, kv_heads, head_dim] "
                     f"with a block_table, got shape {tuple(t.shape)}"
                 )
+            check_block_size(name, t)
         elif t.dim() != 3:
             raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
         if t.dtype not in DTYPES:
