@@ -1,11 +1,13 @@
 """The oracle: a dense mask from the intervals and plain softmax attention in fp32 (fp64 on
-request), one sequence at a time. Runs anywhere; slow on purpose."""
+request), one sequence at a time. Runs anywhere; slow on purpose. In fp32 its two products are
+exact_matmul's, so that its bits do not depend on the BLAS's threads or operand alignment."""
 
 from __future__ import annotations
 
 import torch
 
 from ..cache import _slots
+from ..exact_matmul import exact_matmul
 from ..intervals import dense_from_intervals
 
 DEVICE_PLANS = True  # reads a device plan's lengths on the host: not while capturing a graph
@@ -66,16 +68,17 @@ def forward(
     q, k, v, plan, *, scale, softcap=None, return_lse=False, block_table=None, compute_dtype=torch.float32
 ):
     out, lse = outputs(q, v, return_lse, plan)
+    matmul = exact_matmul if compute_dtype == torch.float32 else torch.matmul
     for rows, mask, ki, vi in per_sequence(q, k, v, plan, block_table):
         qi = q[rows].to(compute_dtype).transpose(0, 1)  # [Hq, q_len, D]
         ki, vi = ki.to(compute_dtype), vi.to(compute_dtype)
-        scores = qi @ ki.permute(1, 2, 0) * scale  # [Hq, q_len, kv_len]
+        scores = matmul(qi, ki.permute(1, 2, 0)) * scale  # [Hq, q_len, kv_len]
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~mask, float("-inf"))
         row_lse = torch.logsumexp(scores, dim=-1)  # never -inf: every row allows k = q
         probs = torch.exp(scores - row_lse[..., None])
-        out[rows] = (probs @ vi.transpose(0, 1)).transpose(0, 1).to(q.dtype)
+        out[rows] = matmul(probs, vi.transpose(0, 1)).transpose(0, 1).to(q.dtype)
         if return_lse:
             lse[rows] = row_lse.transpose(0, 1).float()
     return out, lse
