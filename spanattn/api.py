@@ -215,7 +215,7 @@ def attention(
         ``block_table[r, pos // block_size]``, offset ``pos % block_size``. Write the step's new
         keys first (:func:`spanattn.write_kv_cache`).
     check_pages: every block a sequence reads must exist (``0 <= id < num_blocks``), checked
-        once per step (plan and table version); a bad entry raises IndexError naming the
+        once per plan and table (page_check.py); a bad entry raises IndexError naming the
         sequence, the entry and its value. ``True`` (default; also ``"deferred"``): a CUDA table
         is checked on the device with no host sync, and a later step's first call (or
         :func:`spanattn.check_pending_pages`) raises, saying which earlier step it was; a CPU
