@@ -123,7 +123,7 @@ class DevicePlan:
         keys are the step's new ones) through ``block_table [max_seqs, >= max_kv_len /
         block_size]``, and ``-1`` (skipped by write_kv_cache) on padding rows and rows of rejected
         sequences. On the device: no sync, capturable. For an engine without its own mapping."""
-        need = -(-self.capacity.max_kv_len // block_size)
+        need = -(-self.capacity.max_kv_len // integer("block_size", block_size, 1))
         if block_table.dim() != 2 or block_table.shape[0] != self.num_seqs or block_table.shape[1] < need:
             raise ValueError(
                 f"block_table must be [max_seqs={self.num_seqs}, >= {need}] for pages of {block_size}, "

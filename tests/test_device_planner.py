@@ -312,3 +312,5 @@ def test_slot_mapping_on_the_device():
     assert torch.equal(got[rows], want[rows]) and (got[6:9] == -1).all()
     with pytest.raises(ValueError, match="block_table must be"):
         plan.slot_mapping(bt[:, :2], 8)
+    with pytest.raises(TypeError, match="block_size must be an int, got 8.0"):
+        plan.slot_mapping(bt, 8.0)
