@@ -36,6 +36,8 @@ def integer(name: str, value, minimum: int | None = None, maximum: int = INT32_M
     ...
     TypeError: Seq.kv_len must be an int, got 4.0 (float)
     """
+    if type(value) is int and (minimum is None or value >= minimum) and value <= maximum:
+        return value  # the common case, first: this runs for every length of every step
     if isinstance(value, bool) or (torch.is_tensor(value) and value.dtype == torch.bool):
         raise TypeError(f"{name} must be an int, got {value!r} (a bool)")
     try:

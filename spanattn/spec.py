@@ -83,7 +83,9 @@ class Seq:
         prompt_len = kv_len if self.prompt_len is None else integer("Seq.prompt_len", self.prompt_len, kv_len)
         if not isinstance(self.causal, bool):
             raise TypeError(f"Seq.causal must be a bool, got {type(self.causal).__name__}")
-        if isinstance(self.spans, (str, bytes)) or not isinstance(self.spans, Iterable):
+        if not isinstance(self.spans, (tuple, list)) and (
+            isinstance(self.spans, (str, bytes)) or not isinstance(self.spans, Iterable)
+        ):
             raise TypeError(
                 "Seq.spans must be a sequence of (start, end) or (start, end, group) spans, "
                 f"got {self.spans!r}"
@@ -188,7 +190,10 @@ def _as_span(span) -> tuple[int, int, int | None]:
         raise TypeError(
             f"Seq.spans: each span must be a (start, end) pair or a (start, end, group) triple, got {span!r}"
         )
-    s, e = (integer(f"Seq.spans: span {tuple(span)!r}'s {end}", x) for end, x in (("start", s), ("end", e)))
+    try:
+        s, e = integer("start", s), integer("end", e)
+    except (TypeError, ValueError) as err:  # the span's name built only for the message
+        raise type(err)(f"Seq.spans: span {tuple(span)!r}'s {err}") from None
     if s < 0:
         raise ValueError(f"Seq.spans: span ({s}, {e}) has a negative start")
     if s > e:
@@ -239,7 +244,8 @@ class Batch:
                     f"End the chunk at {s} or {e + 1} (spanattn.max_chunk_end finds it) or pass "
                     "allow_split_spans=True"
                 )
-        for what, total in (("queries", sum(s.q_len for s in seqs)), ("keys", sum(s.kv_len for s in seqs))):
+        totals = {"queries": sum([s.q_len for s in seqs]), "keys": sum([s.kv_len for s in seqs])}
+        for what, total in totals.items():
             if total > INT32_MAX:
                 raise ValueError(
                     f"Batch: its sequences hold {total} {what} in all, over {INT32_MAX}, the int32 limit "
