@@ -65,8 +65,8 @@ def positive(name: str, value) -> float | None:
     ...
     ValueError: scale must be finite and > 0 (or None), got 0.0
     """
-    if value is None:
-        return None
+    if value is None or (type(value) is float and 0 < value < math.inf):
+        return value  # the common cases, first: this runs on every attention call
     real = isinstance(value, numbers.Real) or (
         torch.is_tensor(value) and value.numel() == 1 and not value.is_complex()
     )
