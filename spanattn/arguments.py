@@ -19,11 +19,14 @@ import torch
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 INT32_WHY = "kernels index tokens and keys with int32"
+INT32_LIMIT = f"the int32 limit ({INT32_WHY})"
 
 
-def integer(name: str, value, minimum: int | None = None, maximum: int = INT32_MAX) -> int:
+def integer(
+    name: str, value, minimum: int | None = None, maximum: int = INT32_MAX, limit: str = INT32_LIMIT
+) -> int:
     """``value`` as a Python int in ``[minimum, maximum]``, else TypeError / ValueError naming
-    ``name``.
+    ``name`` (``limit`` says what ``maximum`` is).
 
     >>> integer("Seq.q_len", 5, 1)
     5
@@ -47,8 +50,7 @@ def integer(name: str, value, minimum: int | None = None, maximum: int = INT32_M
     if minimum is not None and number < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {number}")
     if number > maximum:
-        limit = f"{maximum}, the int32 limit ({INT32_WHY})" if maximum == INT32_MAX else maximum
-        raise ValueError(f"{name} = {number} is over {limit}")
+        raise ValueError(f"{name} = {number} is over {maximum}, {limit}")
     return number
 
 

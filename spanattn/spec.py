@@ -11,6 +11,10 @@ from .arguments import INT32_MAX, INT32_WHY, integer
 
 SPAN_MODES = ("off", "on", "clamp")
 NONCAUSAL_WINDOWS = ("exclusive", "inclusive")
+# Windows are added to int32 positions in int64 (intervals.py): any bound that cannot overflow
+# there will do, since a window longer than every sequence is no window.
+MAX_WINDOW = 2**62
+WINDOW_LIMIT = "the window limit (added to positions in int64; a window longer than every sequence is None)"
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,8 @@ class LayerMask:
 
     def __post_init__(self):
         if self.window is not None:
-            object.__setattr__(self, "window", integer("LayerMask.window", self.window, 1))
+            window = integer("LayerMask.window", self.window, 1, MAX_WINDOW, WINDOW_LIMIT)
+            object.__setattr__(self, "window", window)
         if self.spans not in SPAN_MODES:
             raise ValueError(f"LayerMask.spans must be one of {SPAN_MODES}, got {self.spans!r}")
         if self.noncausal_window not in NONCAUSAL_WINDOWS:

@@ -86,8 +86,11 @@ def test_batch_rules():
         sa.Batch(sa.Seq(4))
     with pytest.raises(TypeError, match="Batch.allow_split_spans must be a bool, got 'yes'"):
         sa.Batch([sa.Seq(4)], allow_split_spans="yes")
-    with pytest.raises(ValueError, match=r"LayerMask.window = 4294967296 is over 2147483647"):
-        sa.LayerMask(window=2**32)
+    with pytest.raises(
+        ValueError, match=r"LayerMask.window = 9223372036854775807 is over 4611686018427387904"
+    ):
+        sa.LayerMask(window=2**63 - 1)  # the interval kernels add windows to positions in int64
+    assert sa.LayerMask(window=2**40).window == 2**40
 
 
 def test_totals_past_int32_are_refused():
