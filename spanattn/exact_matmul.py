@@ -72,6 +72,7 @@ class _ExactMatmul(torch.autograd.Function):
         return _product(a, b)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # its slicing writes into buffers: no graph of its own
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
         return _product(grad, b.transpose(-1, -2)), _product(a.transpose(-1, -2), grad)
