@@ -14,7 +14,10 @@ ends with a sync (where an engine reads its sampled tokens). Per batch size and 
 three modes take turns by round (the order rotating); medians. Steps of attention alone (no
 projections, no MLP) bound a check's share from above; rows with ``model`` add to every layer
 what a Gemma 3 1B layer does besides attention (two RMS norms, the QKV and output projections,
-the gated MLP at its sizes, bf16), the share in a model's eager decode step.
+the gated MLP at its sizes, bf16), the share in a model's eager decode step. Rows with
+``inference`` run the loop under ``torch.inference_mode()`` with a table made there: such a
+tensor has no version counter, so every layer's call checks it again (one launch merged into the
+step's pending check), the price of knowing a table by what proves it unchanged.
 
 Also timed, the check alone: the host time of the deferred launch (``page_check.defer``: what
 the default adds to a step's host path), its device time (CUDA events around it), and the
@@ -167,20 +170,27 @@ def _alone(dev, seqs, kc, bt, steps: int) -> dict:
     return {"defer_host_ms": med(host), "defer_device_ms": med(device), "sync_check_ms": med(sync)}
 
 
-def run(dev, backend, dtype, batch, kv_len, head_dim, layers, rounds, steps, model=False) -> dict:
+def run(
+    dev, backend, dtype, batch, kv_len, head_dim, layers, rounds, steps, model=False, inference=False
+) -> dict:
     seqs, q, kc, vc, bt = _setup(dev, batch, kv_len, head_dim, dtype)
     host_bt = bt.cpu().pin_memory() if dev == "cuda" else bt.clone()
+    if inference:
+        with torch.inference_mode():
+            bt = bt.clone()  # an inference tensor: no version counter
     args = (dev, backend, seqs, q, kc, vc, bt, host_bt, layers)
     weights = _model_weights(dev, dtype) if model else None
     names = list(MODES)
-    for name in names:  # compile and warm every path
-        _step_ms(*args, MODES[name], min(steps, 2), weights)
-    times = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % 3 :] + names[: r % 3]:
-            times[name].append(_step_ms(*args, MODES[name], steps, weights))
+    with torch.inference_mode(inference):
+        for name in names:  # compile and warm every path
+            _step_ms(*args, MODES[name], min(steps, 2), weights)
+        times = {name: [] for name in names}
+        for r in range(rounds):
+            for name in names[r % 3 :] + names[: r % 3]:
+                times[name].append(_step_ms(*args, MODES[name], steps, weights))
     ms = {name: statistics.median(t) for name, t in times.items()}
-    row = {"batch": batch, "kv_len": kv_len, "head_dim": head_dim, "layers": layers, "model": model}
+    row = {"batch": batch, "kv_len": kv_len, "head_dim": head_dim, "layers": layers, "model": model,
+           "inference": inference}  # fmt: skip
     for name in names:
         row[f"step_ms_{name}"] = round(ms[name], 4)
     for name in ("deferred", "sync"):
@@ -199,13 +209,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.tiny:
         dev, backend, dtype = "cpu", "reference", torch.float32
-        configs = [(2, 40, 1, False), (2, 40, 2, False), (2, 40, 2, True)]
+        configs = [(2, 40, 1, False, False), (2, 40, 2, False, False), (2, 40, 2, True, False)]
+        configs += [(2, 40, 2, True, True)]
         args.rounds, args.steps = 3, 1
     else:
         dev, backend, dtype = "cuda", "triton", torch.bfloat16
         sizes = ((8, 4096), (64, 4096), (256, 2048))
-        configs = [(b, kv, layers, False) for b, kv in sizes for layers in (1, 26)]
-        configs += [(b, kv, 26, True) for b, kv in sizes]
+        configs = [(b, kv, layers, False, False) for b, kv in sizes for layers in (1, 26)]
+        configs += [(b, kv, 26, True, inference) for b, kv in sizes for inference in (False, True)]
     env = environment(dev)
     try:
         import transformers
@@ -217,9 +228,9 @@ def main(argv=None) -> int:
     checked = verify(dev, backend, dtype)
     print("behaviour:", json.dumps(checked), flush=True)
     rows = []
-    for i, (batch, kv_len, layers, model) in enumerate(configs):
+    for i, (batch, kv_len, layers, model, inference) in enumerate(configs):
         row = run(dev, backend, dtype, batch, kv_len, 128 if dev == "cuda" else 16, layers, args.rounds,
-                  args.steps, model)  # fmt: skip
+                  args.steps, model, inference)  # fmt: skip
         rows.append(row)
         print(f"[{i + 1}/{len(configs)}]", json.dumps(row), flush=True)
     path = result_path(args.out, "page-check", env)

@@ -10,7 +10,8 @@ import math
 import torch
 
 from . import backends, page_check
-from .cache import check_paged
+from .arguments import positive
+from .cache import check_block_size, check_paged
 from .device_plan import DevicePlan
 from .plan import Plan
 
@@ -38,6 +39,7 @@ def check_tensors(q, k, v, plan, block_table=None) -> None:
                     f"{name} must be a paged cache [num_blocks, block_size, kv_heads, head_dim] "
                     f"with a block_table, got shape {tuple(t.shape)}"
                 )
+            check_block_size(name, t)
         elif t.dim() != 3:
             raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
         if t.dtype not in DTYPES:
@@ -46,6 +48,9 @@ def check_tensors(q, k, v, plan, block_table=None) -> None:
             raise ValueError(f"{name} is on {t.device} but the plan is on {device}; plan on the same device")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, size in (("q heads", q.shape[1]), ("k/v heads", k.shape[-2]), ("head_dim", k.shape[-1])):
+        if size == 0:
+            raise ValueError(f"{name} must be >= 1, got 0 (q {tuple(q.shape)}, k {tuple(k.shape)})")
     if q.shape[0] != plan.lo.shape[0]:
         what = "has room for" if plan.capacity is not None else "packs"
         raise ValueError(f"q has {q.shape[0]} tokens but the plan {what} {plan.lo.shape[0]} queries")
@@ -210,8 +215,7 @@ def resolve(q, k, v, plan, block_table, backend, scale, softcap, return_lse, che
         raise ValueError(f"grad must be one of {GRAD_MODES}, got {grad!r}")
     if not isinstance(plan, (Plan, DevicePlan)):
         check_tensors(q, k, v, plan, block_table)  # raises the plan's TypeError
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    scale, softcap = positive("scale", scale), positive("softcap", softcap)
     how = page_check.mode(check_pages)
     opts = {"softcap": softcap, "return_lse": return_lse}
     if block_table is not None:
@@ -284,7 +288,7 @@ def attention(
         ``block_table[r, pos // block_size]``, offset ``pos % block_size``. Write the step's new
         keys first (:func:`spanattn.write_kv_cache`).
     check_pages: every block a sequence reads must exist (``0 <= id < num_blocks``), checked
-        once per step (plan and table version); a bad entry raises IndexError naming the
+        once per plan and table (page_check.py); a bad entry raises IndexError naming the
         sequence, the entry and its value. ``True`` (default; also ``"deferred"``): a CUDA table
         is checked on the device with no host sync, and a later step's first call (or
         :func:`spanattn.check_pending_pages`) raises, saying which earlier step it was; a CPU

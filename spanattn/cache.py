@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import torch
 
+from .arguments import integer
 from .intervals import seq_ids
 from .plan import Plan
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
+LAYOUT = "[num_blocks, block_size, kv_heads, head_dim]"
+HEAD_MAJOR = (
+    "a head-major cache [batch or num_blocks, kv_heads, tokens, head_dim] (transformers') is not this layout"
+)
 
 
 def check_paged(k_cache, v_cache, block_table, plan: Plan, *, names=("k_cache", "v_cache")) -> None:
@@ -26,8 +31,7 @@ def check_paged(k_cache, v_cache, block_table, plan: Plan, *, names=("k_cache", 
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(
-                f"{name} must be [num_blocks, block_size, kv_heads, head_dim] with a block_table, "
-                f"got shape {tuple(t.shape)}"
+                f"{name} must be a paged cache {LAYOUT} with a block_table, got shape {tuple(t.shape)}"
             )
         if t.device != plan.device:
             raise ValueError(f"{name} is on {t.device} but the plan is on {plan.device}")
@@ -35,9 +39,8 @@ def check_paged(k_cache, v_cache, block_table, plan: Plan, *, names=("k_cache", 
         raise ValueError(
             f"{kn} and {vn} must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
+    check_block_size(kn, k_cache)
     block_size = k_cache.shape[1]
-    if block_size not in BLOCK_SIZES:
-        raise ValueError(f"{kn}.shape[1] (block_size) must be one of {BLOCK_SIZES}, got {block_size}")
     if not torch.is_tensor(block_table):
         raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
     if block_table.dtype != torch.int32:
@@ -55,6 +58,17 @@ def check_paged(k_cache, v_cache, block_table, plan: Plan, *, names=("k_cache", 
         raise ValueError(
             f"block_table has {block_table.shape[1]} blocks per sequence but sequence {worst} has kv_len "
             f"{plan.batch.seqs[worst].kv_len}, which needs {need} blocks of {block_size}"
+        )
+
+
+def check_block_size(name: str, cache: torch.Tensor) -> None:
+    """A paged cache's block_size, read from where the layout puts it (``shape[1]``): a
+    head-major cache's heads there would otherwise be read as tokens, its tokens as heads."""
+    if cache.shape[1] not in BLOCK_SIZES:
+        raise ValueError(
+            f"{name}.shape[1] (block_size, in the paged layout {LAYOUT}) must be one of {BLOCK_SIZES}, got "
+            f"{cache.shape[1]} (shape {tuple(cache.shape)}); {HEAD_MAJOR}: attention reads one as packed "
+            "k, v [tokens, kv_heads, head_dim] views, without a block_table"
         )
 
 
@@ -90,8 +104,7 @@ def slot_mapping(plan: Plan, block_table, block_size: int) -> torch.Tensor:
             f"slot_mapping(plan=...) takes a spanattn.Plan, got {type(plan).__name__}; "
             "a device plan has its own plan.slot_mapping(block_table, block_size)"
         )
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    integer("block_size", block_size, 1)
     if block_table.dim() != 2 or block_table.shape[0] != plan.num_seqs:
         raise ValueError(
             f"block_table must be [num_seqs={plan.num_seqs}, max_blocks], got {tuple(block_table.shape)}"
@@ -154,8 +167,15 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_slots: bool | 
     block_size, Hkv, D]`` in place, row ``t`` at flat slot ``slot_mapping[t]``; negative slots are
     skipped (padding tokens, as in vLLM).
 
-    check_slots: verify every slot is ``< num_blocks * block_size``. It reads the slots on the
-        host, a GPU sync, so the default does it except on CUDA while a graph is being captured.
+    check_slots: verify every slot is ``< num_blocks * block_size`` and that no two tokens name
+        one slot. It reads the slots on the host, a GPU sync, so the default does it except on
+        CUDA while a graph is being captured.
+
+    The caches hold pages ``[block_size, kv_heads, head_dim]`` whose tokens and heads lie one
+    after another (NHD); the pages themselves may be strided (FlashInfer's ``[num_blocks, 2, ...]``
+    K and V halves). Other layouts (a head-major cache viewed in this order, a strided head_dim),
+    caches that share a slot and duplicate slots are refused: each would write one value over
+    another.
     """
     for name, t in (
         ("k", k),
@@ -168,42 +188,103 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_slots: bool | 
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.device != k_cache.device:
             raise ValueError(f"{name} is on {t.device} but k_cache is on {k_cache.device}")
+    if not (check_slots is None or isinstance(check_slots, bool)):
+        raise TypeError(f"check_slots must be None, True or False, got {check_slots!r}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(
-            "k_cache and v_cache must be one shape [num_blocks, block_size, kv_heads, head_dim], "
+            f"k_cache and v_cache must be paged caches of one shape {LAYOUT}, "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
     for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
         if t.dim() != 3 or t.shape[1:] != cache.shape[2:]:
             raise ValueError(
-                f"{name} must be [tokens, {cache.shape[2]}, {cache.shape[3]}] to match the cache, "
-                f"got {tuple(t.shape)}"
+                f"{name} must be [tokens, kv_heads, head_dim] = [tokens, {cache.shape[2]}, {cache.shape[3]}] "
+                f"to match {name}_cache {LAYOUT} = {tuple(cache.shape)}, got {tuple(t.shape)}"
+                + (f"; {HEAD_MAJOR}" if t.dim() == 3 and t.shape[1] == cache.shape[1] else "")
             )
         if t.dtype != cache.dtype:
             raise TypeError(f"{name}.dtype ({t.dtype}) must match the cache's ({cache.dtype})")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_pages_layout(name, cache)
+    if _share_a_slot(k_cache, v_cache):
+        what = "are one tensor" if k_cache is v_cache else "share memory"
+        raise ValueError(f"k_cache and v_cache {what}: every value written would overwrite a key")
     if v.shape[0] != k.shape[0]:
         raise ValueError(f"k and v must have the same tokens, got {k.shape[0]} and {v.shape[0]}")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0]:
         raise ValueError(f"slot_mapping must be [tokens={k.shape[0]}], got shape {tuple(slot_mapping.shape)}")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
     if check_slots is None:
         check_slots = not (k_cache.is_cuda and torch.cuda.is_current_stream_capturing())
-    if check_slots and k.shape[0] and int(slot_mapping.max()) >= num_slots:
-        bad = int(slot_mapping.argmax())
-        raise IndexError(
-            f"slot_mapping[{bad}] = {int(slot_mapping[bad])} is out of range for a cache of "
-            f"{k_cache.shape[0]} blocks x {k_cache.shape[1]} = {num_slots} slots"
-        )
+    if check_slots and k.shape[0]:
+        _check_slots(slot_mapping, k_cache.shape[0], k_cache.shape[1])
     if k_cache.is_cuda:
         from .backends.triton.cache_write import write_kv_cache_triton
 
         write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
         return
     # Off the GPU a boolean mask costs nothing; on it, the Triton kernel skips padding without
-    # a sync and without racing on a dummy slot.
+    # a sync and without racing on a dummy slot. Indexed by (block, offset): pages may be strided.
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(num_slots, *k_cache.shape[2:])[slots] = k[keep]
-    v_cache.view(num_slots, *v_cache.shape[2:])[slots] = v[keep]
+    block, offset = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    k_cache[block, offset] = k[keep]
+    v_cache[block, offset] = v[keep]
+
+
+def _check_pages_layout(name: str, cache: torch.Tensor) -> None:
+    """Pages ``[block_size, kv_heads, head_dim]`` each in one piece (NHD), pages apart by at least
+    a page: what the writers index and the kernels read (strides of size-1 dimensions are free)."""
+    num_blocks, block_size, heads, dim = cache.shape
+    page = (block_size * heads * dim, heads * dim, dim, 1)
+    strides = cache.stride()
+    inner = all(n == 1 or st == want for n, st, want in zip(cache.shape[1:], strides[1:], page[1:]))
+    if inner and (num_blocks == 1 or strides[0] >= page[0]):
+        return
+    head_major = heads > 1 and block_size > 1 and strides[2] > strides[1]
+    raise ValueError(
+        f"{name} must hold pages laid out {LAYOUT}, each page's tokens and each token's heads one "
+        f"after another (strides (>= {page[0]}, {page[1]}, {page[2]}, 1)), got shape "
+        f"{tuple(cache.shape)} with strides {strides}"
+        + ("; that is a head-major cache [num_blocks, kv_heads, block_size, head_dim]" if head_major else "")
+    )
+
+
+def _share_a_slot(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Do two caches (laid out as ``_check_pages_layout`` asks) have a byte in common? Views of
+    one buffer whose pages interleave without touching (FlashInfer's K and V halves) do not."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    size, n = a.element_size(), a.shape[0]
+    start_a, start_b = a.storage_offset() * size, b.storage_offset() * size
+    page, stride = a[0].numel() * size, a.stride(0) * size
+    if n == 1 or b.element_size() != size or b.stride(0) != a.stride(0):  # extents decide
+        end = lambda t, start: start + ((t.shape[0] - 1) * t.stride(0) + t[0].numel()) * t.element_size()
+        return start_a < end(b, start_b) and start_b < end(a, start_a)
+    # page i of a and page j of b overlap where |delta + (j - i) * stride| < page
+    delta = start_b - start_a
+    near = (-delta // stride, -delta // stride + 1)
+    return any(abs(delta + m * stride) < page for m in near if -n < m < n)
+
+
+def _check_slots(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """Every slot inside the cache, none named twice (padding's negative slots aside): one read
+    to the host for both (the sort's last entry is the largest slot)."""
+    ordered = slot_mapping.sort().values
+    twice = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
+    top, repeats = torch.stack([ordered[-1].long(), twice.sum()]).tolist()
+    num_slots = num_blocks * block_size
+    if top >= num_slots:
+        bad = int(slot_mapping.argmax())
+        raise IndexError(
+            f"slot_mapping[{bad}] = {top} is out of range for a cache of "
+            f"{num_blocks} blocks x {block_size} = {num_slots} slots"
+        )
+    if repeats:
+        slot = int(ordered[1:][twice][0])
+        first, second = (slot_mapping == slot).nonzero()[:2, 0].tolist()
+        raise ValueError(
+            f"slot_mapping[{first}] and slot_mapping[{second}] are both {slot}: slots must be distinct "
+            "(two tokens written to one slot leave one of them, on the GPU in no fixed order)"
+        )

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .arguments import integer
 from .intervals import seq_ids
-from .spec import LayerMask, _check_int
+from .spec import LayerMask
 
 
 @dataclass(frozen=True)
@@ -30,14 +31,13 @@ class Capacity:
     allow_split_spans: bool = False
 
     def __post_init__(self):
-        for name in ("max_seqs", "max_tokens", "max_kv_len"):
-            _check_int(f"DevicePlanner.{name}", getattr(self, name), 1)
-        _check_int("DevicePlanner.max_spans", self.max_spans, 0)
         if self.max_q_len is None:
             object.__setattr__(self, "max_q_len", self.max_tokens)
-        _check_int("DevicePlanner.max_q_len", self.max_q_len, 1)
+        minimum = {"max_seqs": 1, "max_tokens": 1, "max_kv_len": 1, "max_spans": 0, "max_q_len": 1}
         if self.max_kv_tokens is not None:
-            _check_int("DevicePlanner.max_kv_tokens", self.max_kv_tokens, 1)
+            minimum["max_kv_tokens"] = 1
+        for name, least in minimum.items():
+            object.__setattr__(self, name, integer(f"DevicePlanner.{name}", getattr(self, name), least))
         if not isinstance(self.allow_split_spans, bool):
             raise TypeError("DevicePlanner.allow_split_spans must be a bool")
 
@@ -123,7 +123,7 @@ class DevicePlan:
         keys are the step's new ones) through ``block_table [max_seqs, >= max_kv_len /
         block_size]``, and ``-1`` (skipped by write_kv_cache) on padding rows and rows of rejected
         sequences. On the device: no sync, capturable. For an engine without its own mapping."""
-        need = -(-self.capacity.max_kv_len // block_size)
+        need = -(-self.capacity.max_kv_len // integer("block_size", block_size, 1))
         if block_table.dim() != 2 or block_table.shape[0] != self.num_seqs or block_table.shape[1] < need:
             raise ValueError(
                 f"block_table must be [max_seqs={self.num_seqs}, >= {need}] for pages of {block_size}, "

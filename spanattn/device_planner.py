@@ -29,11 +29,14 @@ from collections.abc import Mapping
 import torch
 
 from . import backends
+from .arguments import device as check_device
+from .arguments import fit_int32
 from .device_plan import Capacity, DevicePlan
 from .device_rules import RULES, device_step
 from .intervals import compute_intervals
 from .spec import LayerMask
 
+INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool)
 # Backends that cannot run a device plan, and why (the others declare DEVICE_PLANS = True).
 REFUSED = {
     "fa4": "FA4's varlen call takes the step's exact max_seqlen_q/k and its sparse path host-built "
@@ -84,7 +87,7 @@ class DevicePlanner:
             max_seqs, max_tokens, max_kv_len, max_spans,
             max_tokens if max_q_len is None else max_q_len, max_kv_tokens, allow_split_spans,
         )  # fmt: skip
-        self.device = torch.device(device)
+        self.device = check_device("DevicePlanner(device=...)", device)
         cap, dev = self.capacity, self.device
         i32 = dict(dtype=torch.int32, device=dev)
         self._q_len = torch.zeros(cap.max_seqs, **i32)
@@ -130,11 +133,12 @@ class DevicePlanner:
         device nothing synchronizes): ``q_lens, kv_lens [n]`` and ``causal [n]`` (bool or 0/1,
         default all causal) with ``n <= max_seqs`` (missing sequences are padding), ``spans
         [m, 3]`` rows of (sequence, start, end), inclusive absolute positions, ``m <= max_spans``.
+        A length or span bound outside int32 rejects its sequence (device_rules.py), never wraps.
         Returns ``plans`` (the same objects every step), their tensors rewritten in place."""
         cap = self.capacity
-        self._load(self._q_len, q_lens, "q_lens", 0)
-        self._load(self._kv_len, kv_lens, "kv_lens", 0)
-        self._load(self._causal, causal if causal is not None else None, "causal", 1)
+        unfit_q = self._load(self._q_len, q_lens, "q_lens", 0)
+        unfit_kv = self._load(self._kv_len, kv_lens, "kv_lens", 0)
+        self._load(self._causal, causal, "causal", 1)
         if torch.is_tensor(spans) and spans.dim() == 2 and spans.shape[1] == 4:
             raise ValueError(
                 "spans with a group column: span groups are planned on the host only "
@@ -142,8 +146,12 @@ class DevicePlanner:
             )
         if spans is not None and (not torch.is_tensor(spans) or spans.dim() != 2 or spans.shape[1] != 3):
             raise ValueError(f"spans must be a [m, 3] tensor of (sequence, start, end) rows, got {spans!r}")
-        self._load(self._spans, spans, "spans", -1)
-        step, errors = device_step(self._q_len, self._kv_len, self._causal, self._spans, cap)
+        unfit_spans = self._load(self._spans, spans, "spans", -1)
+        unfit = [u for u in (unfit_q, unfit_kv) if u is not None]
+        unfit_seqs = torch.stack(unfit).any(0) if unfit else None
+        step, errors = device_step(
+            self._q_len, self._kv_len, self._causal, self._spans, cap, unfit_seqs, unfit_spans
+        )
         self.errors.copy_(errors)
         for key in ("q_len", "kv_len", "cu_seqlens_q", "cu_seqlens_k", "spans"):
             self._step[key].copy_(step[key])
@@ -154,22 +162,33 @@ class DevicePlanner:
             plan.refresh()
         return self.plans
 
-    def _load(self, buf: torch.Tensor, value, name: str, pad: int) -> None:
-        """Copy ``value`` into the head of ``buf``; the rest is padding."""
+    def _load(self, buf: torch.Tensor, value, name: str, pad: int) -> torch.Tensor | None:
+        """Copy ``value`` into the head of ``buf``; the rest is padding. Returns which rows of
+        ``buf`` got a length or span bound outside int32 (None: ``value``'s dtype holds none),
+        copied clamped rather than wrapped (a wrapped ``2**32 + 3`` would read as 3); device_rules.py
+        rejects their sequences. A causal flag clamped keeps its truth: nothing to report."""
         if value is None:
             buf.fill_(pad)
-            return
+            return None
         if not torch.is_tensor(value) or value.dim() != buf.dim():
             raise ValueError(f"{name} must be a {buf.dim()}-d tensor, got {value!r}")
-        if value.dtype.is_floating_point or value.is_complex():
-            raise TypeError(f"{name} must hold integers (or bools), got {value.dtype}")
+        flags = name == "causal"
+        if value.dtype not in INTEGER_DTYPES or (value.dtype == torch.bool and not flags):
+            held = "integers or bools" if flags else "integers (int32 or int64; no bools)"
+            raise TypeError(f"{name} must hold {held}, got {value.dtype}")
         n = value.shape[0]
         if n > buf.shape[0]:
             limit = "max_spans" if name == "spans" else "max_seqs"
             raise ValueError(f"{name} has {n} rows, more than {limit}={buf.shape[0]}")
+        value, unfit = fit_int32(value)
         buf[:n].copy_(value)
         if n < buf.shape[0]:
             buf[n:].fill_(pad)
+        if unfit is None or flags:
+            return None
+        rows = torch.zeros(buf.shape[0], dtype=torch.bool, device=buf.device)
+        rows[:n] = unfit if unfit.dim() == 1 else unfit.any(1)
+        return rows
 
     def check(self) -> None:
         """Raise ValueError naming every sequence whose metadata broke a rule at the last

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .arguments import INT32_MAX
+
 # (name, message) per column of the errors table; row ``max_seqs`` is the step itself.
 RULES = (
     ("lengths", "needs kv_len >= q_len >= 0"),
@@ -19,6 +21,7 @@ RULES = (
     ("overlap", "two of its spans overlap"),
     ("cut", "the chunk ends inside a span (pass allow_split_spans=True to proceed)"),
     ("span_seq", "a span names a sequence >= max_seqs={cap.max_seqs}"),
+    ("int32", f"a length or span bound was outside int32 (shown clamped to {INT32_MAX}; nothing truncated)"),
 )
 COLUMN = {name: j for j, (name, _) in enumerate(RULES)}
 LAST = 2**63 - 1  # sort key of a span row that names no sequence: after every real one
@@ -32,14 +35,20 @@ def _cu(lengths: torch.Tensor, limit: int | None) -> tuple[torch.Tensor, torch.T
     return torch.cat([ends.new_zeros(1), ends]).to(torch.int32), over
 
 
-def device_step(q_len, kv_len, causal, spans, cap) -> tuple[dict, torch.Tensor]:
+def device_step(
+    q_len, kv_len, causal, spans, cap, unfit_seqs=None, unfit_spans=None
+) -> tuple[dict, torch.Tensor]:
     """The step intervals.py reads (``padded``) and the errors table ``[max_seqs + 1, len(RULES)]``
     (int32, nonzero = broken), from capacity-sized inputs: ``q_len, kv_len, causal
-    [max_seqs]``, ``spans [max_spans, 3]`` (padding rows name a negative sequence)."""
+    [max_seqs]``, ``spans [max_spans, 3]`` (padding rows name a negative sequence).
+    unfit_seqs, unfit_spans: bool ``[max_seqs]``, ``[max_spans]`` or None, the sequences and span
+    rows whose values were outside int32 (clamped into it by the planner)."""
     n = cap.max_seqs
     q, kv = q_len.long(), kv_len.long()
     err = torch.zeros(n + 1, len(RULES), dtype=torch.int32, device=q.device)
     col = lambda name, flags: err[:n, COLUMN[name]].copy_(flags)
+    if unfit_seqs is not None:
+        col("int32", unfit_seqs)
     real = q > 0  # q_len 0: a padding sequence, whatever its kv_len says
     col("lengths", (q < 0) | (real & (kv < q)))
     col("max_q_len", q > cap.max_q_len)
@@ -49,7 +58,7 @@ def device_step(q_len, kv_len, causal, spans, cap) -> tuple[dict, torch.Tensor]:
     cu_k, over_k = _cu(kv, cap.max_kv_tokens)
     col("max_tokens", real & over_q)
     col("max_kv_tokens", real & over_k)
-    sorted_spans = _check_spans(spans, q, kv, cap, err)
+    sorted_spans = _check_spans(spans, q, kv, cap, err, unfit_spans)
     bad = err[:n].amax(1) > 0
     step = dict(
         q_len=cu_q.diff(), kv_len=torch.where(bad | ~real, 0, kv).to(torch.int32),
@@ -58,15 +67,19 @@ def device_step(q_len, kv_len, causal, spans, cap) -> tuple[dict, torch.Tensor]:
     return step, err
 
 
-def _check_spans(spans, q, kv, cap, err) -> torch.Tensor:
+def _check_spans(spans, q, kv, cap, err, unfit=None) -> torch.Tensor:
     """Spans sorted by (sequence, start) as intervals.py searches them, rows that name no
-    sequence last (sequence ``max_seqs``); span rules recorded per sequence in ``err``."""
+    sequence last (sequence ``max_seqs``); span rules recorded per sequence in ``err``, and an
+    ``unfit`` row (a bound outside int32) against its sequence, or the step where it names none."""
     n = cap.max_seqs
     if spans.shape[0] == 0:
         return spans
     seq, s, e = (spans[:, c].long() for c in range(3))
     named = (seq >= 0) & (seq < n)
     err[n, COLUMN["span_seq"]] = (seq >= n).any()
+    if unfit is not None:
+        err[n, COLUMN["int32"]] = (unfit & ~named).any()
+        err[:n, COLUMN["int32"]].index_add_(0, seq.clamp(0, n - 1), (unfit & named).to(torch.int32))
     key = torch.where(named, seq * 2**32 + s.clamp(0, 2**31 - 1), LAST)
     order = torch.argsort(key, stable=True)
     seq, s, e, named = seq[order], s[order], e[order], named[order]

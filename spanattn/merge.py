@@ -8,7 +8,9 @@ For parts A and B of one query's keys with ``lse = log sum exp(s)`` over each pa
     out = (exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b)
 
 An empty part has ``lse = -inf`` and contributes nothing; two empty parts give ``out = 0`` and
-``lse = -inf`` (never NaN).
+``lse = -inf`` (never NaN): a row that saw no key stays finite. A part whose ``lse`` is ``+inf``
+(a score that overflowed) takes the whole weight, and two such parts half each, with ``lse =
++inf``: the limit of ``lse_a = lse_b -> inf``, where ``exp(lse_a - lse)`` alone would be NaN.
 """
 
 from __future__ import annotations
@@ -56,11 +58,14 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     _check(out_a, lse_a, out_b, lse_b)
     la, lb = lse_a.float(), lse_b.float()
     m = torch.maximum(la, lb)
-    # Both parts empty: shift by 0 instead of -inf so that exp gives 0 weights, not NaN.
-    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    wa, wb = torch.exp(la - m), torch.exp(lb - m)
+    # Both parts empty (-inf) or one infinite (+inf): shift by 0 instead, so that exp gives finite
+    # weights, never inf - inf; an infinite part's weight is 1 (the other's 0) below.
+    top = torch.isposinf(m)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    wa = torch.where(top, (la == float("inf")).float(), torch.exp(la - m))
+    wb = torch.where(top, (lb == float("inf")).float(), torch.exp(lb - m))
     total = wa + wb
-    lse = m + torch.log(total)  # log(0) = -inf for two empty parts
+    lse = torch.where(top, float("inf"), m + torch.log(total))  # log(0) = -inf for two empty parts
     inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
     out = out_a.float() * (wa * inv)[..., None] + out_b.float() * (wb * inv)[..., None]
     return out.to(out_a.dtype), lse

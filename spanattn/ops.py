@@ -168,8 +168,9 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_slots: bool | 
     block_size, Hkv, D]`` in place, row ``t`` at flat slot ``slot_mapping[t]``; negative slots are
     skipped (padding tokens, as in vLLM). Under torch.compile, the op ``spanattn::write_kv_cache``.
 
-    check_slots: verify every slot is ``< num_blocks * block_size``. It reads the slots on the
-        host, a GPU sync, so the default does it except on CUDA while a graph is being captured.
+    check_slots: verify every slot is ``< num_blocks * block_size`` and no two tokens name one.
+        It reads the slots on the host, a GPU sync, so the default does it except on CUDA while
+        a graph is being captured. The layout and aliasing rules: :func:`spanattn.cache.write_kv_cache`.
     """
     if torch.compiler.is_compiling():
         write_kv_cache_op(k, v, k_cache, v_cache, slot_mapping, check_slots)

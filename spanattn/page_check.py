@@ -1,8 +1,16 @@
 """The block-table check of :func:`spanattn.attention`: every entry a sequence reads (its first
 ``ceil(kv_len / block_size)`` columns) names a block of the cache, ``0 <= id < num_blocks``.
 Columns past a sequence's keys are never read and may hold anything; shared blocks (prefix
-caching) are fine. It runs once per plan and table version, never while a CUDA graph is being
-captured, in one of three modes (``check_pages``):
+caching) are fine. It runs once per plan and table, never while a CUDA graph is being captured,
+in one of three modes (``check_pages``). A plan knows the last few tables it checked
+(``REMEMBERED``) by what proves them unchanged: a CPU table by its entries (a copy compared:
+writes through ``.numpy()`` bump no version), a CUDA table by identity and version counter (its
+entries could only be compared after a sync; the plan holds the tensor, so no other takes its
+memory). Any other table is checked, also one allocated where a checked one was; a CUDA tensor
+made under ``torch.inference_mode()`` has no version counter and is checked at every call, its
+re-checks merged into its check still pending (one launch and an event record each). A write
+that torch does not see (a kernel writing a CUDA table through its raw pointer, DLPack) bumps no
+version: pass such a table as a new tensor, or check it with ``"sync"``.
 
 - ``True`` (or ``"deferred"``, the default): a CUDA table is checked by one small launch that
   writes each sequence's first bad entry to pinned host memory, behind a CUDA event: no host
@@ -38,6 +46,9 @@ MODES = {True: "deferred", "deferred": "deferred", "sync": "sync", False: "off",
 # Checks waiting for their results; an engine's GPU runs a step or two behind its host, so a
 # full list means a stalled consumer: the oldest is then waited for (a sync) before the next.
 MAX_PENDING = 16
+# Checked tables a plan knows again (most recent first): a step's table, and a few that an
+# engine may alternate between; a longer history would only hold more tables alive.
+REMEMBERED = 4
 
 
 def mode(check_pages) -> str:
@@ -70,20 +81,24 @@ def _find(block_table, plan: Plan, num_blocks: int, block_size: int) -> torch.Te
     return first_bad_entries(block_table, plan.seq_lens, num_blocks, block_size)
 
 
-def _find_into(block_table, plan: Plan, num_blocks: int, block_size: int, host: torch.Tensor) -> None:
-    """``_find`` of a CUDA table into pinned ``host``: the kernel writes it through the GPU's
-    mapping of pinned memory (no copy launched), or where the launch refuses host memory, a
-    device result copied in behind it."""
+def _launch(block_table, plan: Plan, num_blocks: int, block_size: int, rec: _Pending, merge: bool) -> None:
+    """The check of a CUDA table into ``rec.result`` (pinned): the kernel writes it through the
+    GPU's mapping of pinned memory (no copy launched), or where the launch refuses host memory,
+    into a device buffer copied in behind it. ``merge``: keep what earlier launches found."""
     from .page_check_triton import first_bad_entries_triton
 
     global _mapped
-    if _mapped:
+    args = (block_table, plan.seq_lens, num_blocks, block_size)
+    if rec.device is None and _mapped:
         try:
-            first_bad_entries_triton(block_table, plan.seq_lens, num_blocks, block_size, out=host)
+            first_bad_entries_triton(*args, out=rec.result, merge=merge)
             return
         except (ValueError, RuntimeError):  # pinned memory without a device mapping
             _mapped = False
-    host.copy_(_find(block_table, plan, num_blocks, block_size), non_blocking=True)
+    if rec.device is None:
+        rec.device = torch.empty(rec.result.shape, dtype=torch.int32, device=block_table.device)
+    first_bad_entries_triton(*args, out=rec.device, merge=merge)
+    rec.result.copy_(rec.device, non_blocking=True)
 
 
 _mapped = True  # can kernels write pinned host memory here (unified addressing)?
@@ -92,7 +107,8 @@ _mapped = True  # can kernels write pinned host memory here (unified addressing)
 @dataclass
 class _Pending:
     """A deferred check: its result (on the host once ``done`` has completed; ``None``: it
-    has), and what its error names. It holds no device tensor, so the table may be freed."""
+    has), and what its error names. It holds no device tensor of the caller's, so the table may
+    be freed."""
 
     result: torch.Tensor
     done: torch.cuda.Event | None
@@ -100,6 +116,34 @@ class _Pending:
     number: int
     num_blocks: int
     buffer: torch.Tensor | None = None  # the pinned memory ``result`` views, reused once read
+    device: torch.Tensor | None = None  # the kernel's own output where it cannot write ``buffer``
+    taken: bool = False  # read (its buffer may serve another check): no re-check merges into it
+
+
+@dataclass
+class _Checked:
+    """A table a plan has checked, and how it is known again (module docstring)."""
+
+    how: str
+    num_blocks: int
+    table: torch.Tensor | None = None  # CUDA: the tensor itself
+    version: int | None = None  # CUDA: its version counter (None: an inference tensor has none)
+    entries: torch.Tensor | None = None  # CPU: a copy of the table
+    pending: _Pending | None = None  # CUDA, deferred: its check
+
+    def holds(self, block_table, how: str, num_blocks: int) -> bool:
+        """Is ``block_table`` the table checked here, unchanged, for the same check?"""
+        if how != self.how or num_blocks != self.num_blocks:
+            return False
+        if self.entries is not None:
+            return not block_table.is_cuda and torch.equal(self.entries, block_table)
+        return (
+            self.table is block_table and self.version is not None and self.version == _version(block_table)
+        )
+
+
+def _version(block_table) -> int | None:
+    return None if block_table.is_inference() else block_table._version
 
 
 _lock = threading.Lock()
@@ -120,31 +164,39 @@ def _buffer_and_event(numel: int) -> tuple[torch.Tensor, torch.cuda.Event]:
 
 def check(block_table, plan: Plan, num_blocks: int, block_size: int, how: str) -> None:
     """The check of one call (``how`` from :func:`mode`; none for ``"off"`` or a device plan,
-    whose lengths are on the device): once per plan and table version (inference-mode tensors
-    have no version: once per plan), first raise what a completed earlier check found, then
-    check this table. The layers of a step after its first, passing the same table, pay one
-    compare: this runs on every attention call."""
+    whose lengths are on the device): unless the plan knows this table as checked (module
+    docstring), first raise what a completed earlier check found, then check this table. The
+    layers of a step after its first, passing the same table, pay one compare (a CPU table: of
+    its entries): this runs on every attention call."""
     if how == "off" or plan.capacity is not None:
         return
-    version = None if block_table.is_inference() else block_table._version
-    last = plan.facts.get("pages_checked_last")  # the table object checked last: one compare
-    if last is not None and last[0] is block_table and last[1:] == (version, how, num_blocks):
+    seen = plan.facts.get("pages_checked")
+    if seen and seen[0].holds(block_table, how, num_blocks):
         return
     if block_table.is_cuda and torch.cuda.is_current_stream_capturing():
         return  # neither a sync nor an event query is allowed while capturing
-    key = ("pages_checked", how, block_table.data_ptr(), version, tuple(block_table.shape), num_blocks)
-
-    def first() -> bool:
-        if _pending:
-            _raise_found(wait=False, where="this call did not run")
-        if how == "deferred" and block_table.is_cuda:
-            defer(block_table, plan, num_blocks, block_size)
-        else:
-            check_now(block_table, plan, num_blocks, block_size)
-        return True
-
-    plan.cached(key, first)
-    plan.facts["pages_checked_last"] = (block_table, version, how, num_blocks)
+    if seen is None:
+        seen = plan.facts["pages_checked"] = []
+    for i, rec in enumerate(seen):
+        if rec.holds(block_table, how, num_blocks):
+            seen.insert(0, seen.pop(i))
+            return
+    if _pending:
+        _raise_found(wait=False, where="this call did not run")
+    rec = _Checked(how, num_blocks)
+    if block_table.is_cuda:
+        rec.table, rec.version = block_table, _version(block_table)
+        if how == "deferred":
+            earlier = next((r for r in seen if r.table is block_table and r.pending is not None), None)
+            if earlier is not None:  # the same tensor, changed (or without a version): one record
+                seen.remove(earlier)
+            rec.pending = defer(block_table, plan, num_blocks, block_size, into=earlier and earlier.pending)
+    else:
+        rec.entries = block_table.clone()
+    if rec.pending is None:
+        check_now(block_table, plan, num_blocks, block_size)
+    seen.insert(0, rec)
+    del seen[REMEMBERED:]
 
 
 def check_now(block_table, plan: Plan, num_blocks: int, block_size: int) -> None:
@@ -155,22 +207,34 @@ def check_now(block_table, plan: Plan, num_blocks: int, block_size: int) -> None
             raise IndexError(_message(r, c, value, plan.batch, num_blocks))
 
 
-def defer(block_table, plan: Plan, num_blocks: int, block_size: int) -> None:
+def defer(
+    block_table, plan: Plan, num_blocks: int, block_size: int, into: _Pending | None = None
+) -> _Pending:
     """Start the check of ``block_table`` without waiting for it: its result goes to the host
     behind an event (CPU tensors: at once), and a later :func:`check` or
-    :func:`check_pending_pages` raises what it found."""
+    :func:`check_pending_pages` raises what it found. ``into``: an unread check of the same CUDA
+    tensor, which this one joins (its launch keeps what that found, its event moves behind it)."""
+    if block_table.is_cuda:
+        with _lock:
+            if into is not None and not into.taken:
+                _launch(block_table, plan, num_blocks, block_size, into, merge=True)
+                into.done.record(torch.cuda.current_stream(block_table.device))
+                return into
     if len(_pending) >= MAX_PENDING:
         _raise_found(wait=True, where="this call did not run", limit=1)
-    done = buffer = None
     if block_table.is_cuda:
         buffer, done = _buffer_and_event(2 * plan.num_seqs)
-        found = buffer[: 2 * plan.num_seqs].view(plan.num_seqs, 2)
-        _find_into(block_table, plan, num_blocks, block_size, found)
+        rec = _Pending(
+            buffer[: 2 * plan.num_seqs].view(plan.num_seqs, 2), done, plan.batch, 0, num_blocks, buffer
+        )
+        _launch(block_table, plan, num_blocks, block_size, rec, merge=False)
         done.record(torch.cuda.current_stream(block_table.device))
     else:
-        found = _find(block_table, plan, num_blocks, block_size)
+        rec = _Pending(_find(block_table, plan, num_blocks, block_size), None, plan.batch, 0, num_blocks)
     with _lock:
-        _pending.append(_Pending(found, done, plan.batch, next(_numbers), num_blocks, buffer))
+        rec.number = next(_numbers)
+        _pending.append(rec)
+    return rec
 
 
 def check_pending_pages() -> None:
@@ -197,6 +261,7 @@ def _raise_found(wait: bool, where: str, limit: int | None = None) -> None:
                 elif not rec.done.query():
                     break  # later ones are most likely behind it on the stream: one query per call
             _pending.remove(rec)
+            rec.taken = True
             columns = rec.result[:, 0].numpy()  # numpy: a torch op on a small host tensor costs ~10 us
             if columns.max(initial=-1) >= 0:
                 hit = rec, int((columns >= 0).argmax())

@@ -20,8 +20,9 @@ BLOCK_C = 256  # 16 chunks at most for 64k keys in pages of 16
 
 @triton.jit(do_not_specialize=RUNTIME_ARGS)
 def _first_bad_kernel(
-    BT, SEQ_LENS, OUT, num_blocks, block_size, columns, stride_bt, stride_bc, BLOCK_C: tl.constexpr
-):
+    BT, SEQ_LENS, OUT, num_blocks, block_size, columns, stride_bt, stride_bc, BLOCK_C: tl.constexpr,
+    MERGE: tl.constexpr,
+):  # fmt: skip
     seq = tl.program_id(0)
     row = BT + seq.to(tl.int64) * stride_bt
     need = tl.minimum((tl.load(SEQ_LENS + seq) + block_size - 1) // block_size, columns)
@@ -36,22 +37,28 @@ def _first_bad_kernel(
         c0 += BLOCK_C
     found = first < columns
     value = tl.load(row + first.to(tl.int64) * stride_bc, mask=found, other=0)
-    tl.store(OUT + 2 * seq, tl.where(found, first, -1))
-    tl.store(OUT + 2 * seq + 1, value)
+    if MERGE:  # a re-check into an earlier result: what that found stays
+        tl.store(OUT + 2 * seq, first, mask=found)
+        tl.store(OUT + 2 * seq + 1, value, mask=found)
+    else:
+        tl.store(OUT + 2 * seq, tl.where(found, first, -1))
+        tl.store(OUT + 2 * seq + 1, value)
 
 
-def first_bad_entries_triton(block_table, seq_lens, num_blocks: int, block_size: int, out=None):
+def first_bad_entries_triton(block_table, seq_lens, num_blocks: int, block_size: int, out=None, merge=False):
     """page_check.first_bad_entries of an int32 table, ``seq_lens`` on its device: no sync.
     ``out``: int32 ``[num_seqs, 2]`` to write, on the device or in pinned host memory (which the
-    GPU writes through its mapping: no copy back)."""
+    GPU writes through its mapping: no copy back). ``merge``: write only the sequences with a bad
+    entry, keeping ``out``'s other rows (an earlier check of the same tensor)."""
     n, columns = block_table.shape
     if out is None:
         out = torch.empty((n, 2), dtype=torch.int32, device=block_table.device)
     # What the compiled kernel depends on besides the grid: the pointers' dtypes and alignment.
-    key = (n, block_table.dtype, block_table.data_ptr() % 16, seq_lens.dtype, seq_lens.data_ptr() % 16)
+    key = (n, merge, block_table.dtype, block_table.data_ptr() % 16, seq_lens.dtype, seq_lens.data_ptr() % 16)
     launch = _launches.get(key)
     if launch is None:
-        launch = _launches[key] = DirectLaunch(_first_bad_kernel, (n,), dict(BLOCK_C=BLOCK_C, num_warps=2))
+        constants = dict(BLOCK_C=BLOCK_C, MERGE=merge, num_warps=2)
+        launch = _launches[key] = DirectLaunch(_first_bad_kernel, (n,), constants)
     launch(block_table, seq_lens, out, num_blocks, block_size, columns, *block_table.stride())
     return out
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .arguments import device as check_device
 from .groups import SpanGroups, span_groups
 from .intervals import column_intervals, compute_intervals, dense_from_intervals, seq_ids, step_tensors
 from .spec import Batch, LayerMask
@@ -199,7 +200,7 @@ def plan(batch: Batch, layer: LayerMask, device="cpu") -> Plan:
         raise TypeError(f"plan(batch=...) must be a spanattn.Batch, got {type(batch).__name__}")
     if not isinstance(layer, LayerMask):
         raise TypeError(f"plan(layer=...) must be a spanattn.LayerMask, got {type(layer).__name__}")
-    step = step_tensors(batch, torch.device(device))
+    step = step_tensors(batch, check_device("plan(device=...)", device))
     lo, hi = compute_intervals(layer, step, batch.total_q)
     return Plan(
         batch=batch,

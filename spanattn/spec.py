@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import operator
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from .arguments import INT32_MAX, INT32_WHY, integer
+
 SPAN_MODES = ("off", "on", "clamp")
 NONCAUSAL_WINDOWS = ("exclusive", "inclusive")
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+# Windows are added to int32 positions in int64 (intervals.py): any bound that cannot overflow
+# there will do, since a window longer than every sequence is no window.
+MAX_WINDOW = 2**62
+WINDOW_LIMIT = "the window limit (added to positions in int64; a window longer than every sequence is None)"
 
 
 @dataclass(frozen=True)
@@ -43,7 +40,8 @@ class LayerMask:
 
     def __post_init__(self):
         if self.window is not None:
-            _check_int("LayerMask.window", self.window, 1)
+            window = integer("LayerMask.window", self.window, 1, MAX_WINDOW, WINDOW_LIMIT)
+            object.__setattr__(self, "window", window)
         if self.spans not in SPAN_MODES:
             raise ValueError(f"LayerMask.spans must be one of {SPAN_MODES}, got {self.spans!r}")
         if self.noncausal_window not in NONCAUSAL_WINDOWS:
@@ -83,14 +81,20 @@ class Seq:
     groups: Sequence[int | None] = ()
 
     def __post_init__(self):
-        _check_int("Seq.q_len", self.q_len, 1)
-        kv_len = self.q_len if self.kv_len is None else _check_int("Seq.kv_len", self.kv_len, 1)
-        if kv_len < self.q_len:
-            raise ValueError(f"Seq.kv_len ({kv_len}) must be >= Seq.q_len ({self.q_len})")
-        prompt_len = kv_len if self.prompt_len is None else self.prompt_len
-        _check_int("Seq.prompt_len", prompt_len, kv_len)
+        q_len = integer("Seq.q_len", self.q_len, 1)
+        kv_len = q_len if self.kv_len is None else integer("Seq.kv_len", self.kv_len, 1)
+        if kv_len < q_len:
+            raise ValueError(f"Seq.kv_len ({kv_len}) must be >= Seq.q_len ({q_len})")
+        prompt_len = kv_len if self.prompt_len is None else integer("Seq.prompt_len", self.prompt_len, kv_len)
         if not isinstance(self.causal, bool):
             raise TypeError(f"Seq.causal must be a bool, got {type(self.causal).__name__}")
+        if not isinstance(self.spans, (tuple, list)) and (
+            isinstance(self.spans, (str, bytes)) or not isinstance(self.spans, Iterable)
+        ):
+            raise TypeError(
+                "Seq.spans must be a sequence of (start, end) or (start, end, group) spans, "
+                f"got {self.spans!r}"
+            )
         spans = sorted(_with_groups(self.spans, self.groups))
         for (s0, e0, _), (s1, e1, _) in zip(spans, spans[1:]):
             if s1 <= e0:
@@ -102,6 +106,7 @@ class Seq:
                 "pass prompt_len if it belongs to a later chunk"
             )
         groups = tuple(g for _, _, g in spans)
+        object.__setattr__(self, "q_len", q_len)
         object.__setattr__(self, "kv_len", kv_len)
         object.__setattr__(self, "prompt_len", prompt_len)
         object.__setattr__(self, "spans", tuple((s, e) for s, e, _ in spans))
@@ -176,12 +181,9 @@ def _as_group(g) -> int | None:
     if g is None:
         return None
     try:
-        value = operator.index(g)
-    except TypeError:
-        value = -1
-    if isinstance(g, bool) or value < 0:
-        raise ValueError(f"Seq.spans: a span group must be an int >= 0 or None, got {g!r}")
-    return value
+        return integer("Seq.spans: a span group", g, 0)
+    except (TypeError, ValueError):
+        raise ValueError(f"Seq.spans: a span group must be an int >= 0 or None, got {g!r}") from None
 
 
 def _as_span(span) -> tuple[int, int, int | None]:
@@ -193,7 +195,10 @@ def _as_span(span) -> tuple[int, int, int | None]:
         raise TypeError(
             f"Seq.spans: each span must be a (start, end) pair or a (start, end, group) triple, got {span!r}"
         )
-    s, e = int(s), int(e)
+    try:
+        s, e = integer("start", s), integer("end", e)
+    except (TypeError, ValueError) as err:  # the span's name built only for the message
+        raise type(err)(f"Seq.spans: span {tuple(span)!r}'s {err}") from None
     if s < 0:
         raise ValueError(f"Seq.spans: span ({s}, {e}) has a negative start")
     if s > e:
@@ -218,6 +223,12 @@ class Batch:
     allow_split_spans: bool = False
 
     def __init__(self, seqs: Iterable[Seq], allow_split_spans: bool = False):
+        if isinstance(seqs, Seq) or not isinstance(seqs, Iterable):
+            hint = ": wrap it, Batch([seq])" if isinstance(seqs, Seq) else ""
+            what = type(seqs).__name__
+            raise TypeError(f"Batch.seqs must be a list (an iterable) of Seq, got a {what}{hint}")
+        if not isinstance(allow_split_spans, bool):
+            raise TypeError(f"Batch.allow_split_spans must be a bool, got {allow_split_spans!r}")
         seqs = tuple(seqs)
         if not seqs:
             raise ValueError("Batch.seqs must hold at least one Seq")
@@ -237,6 +248,13 @@ class Batch:
                     f"its queries could not see the rest of the {'group' if g is not None else 'span'}. "
                     f"End the chunk at {s} or {e + 1} (spanattn.max_chunk_end finds it) or pass "
                     "allow_split_spans=True"
+                )
+        totals = {"queries": sum([s.q_len for s in seqs]), "keys": sum([s.kv_len for s in seqs])}
+        for what, total in totals.items():
+            if total > INT32_MAX:
+                raise ValueError(
+                    f"Batch: its sequences hold {total} {what} in all, over {INT32_MAX}, the int32 limit "
+                    f"of packed offsets ({INT32_WHY}); split the step"
                 )
         object.__setattr__(self, "seqs", seqs)
         object.__setattr__(self, "allow_split_spans", allow_split_spans)

@@ -79,6 +79,57 @@ def test_write_kv_cache_errors():
         sa.write_kv_cache(k, v, kc, vc, ok.to("meta"))
 
 
+def test_write_kv_cache_refuses_writes_that_would_overwrite_each_other():
+    """Duplicate slots (the last write won, on the GPU in no fixed order) and caches that share
+    memory (each value overwrote a key); FlashInfer's interleaved K and V halves share none."""
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    kc, vc = torch.zeros(3, 16, 2, 8), torch.zeros(3, 16, 2, 8)
+    with pytest.raises(
+        ValueError, match=r"slot_mapping\[0\] and slot_mapping\[2\] are both 5: slots must be distinct"
+    ):
+        sa.write_kv_cache(k, v, kc, vc, torch.tensor([5, -1, 5]))
+    sa.write_kv_cache(k, v, kc, vc, torch.tensor([-1, 5, -1]))  # padding may repeat
+    with pytest.raises(ValueError, match="k_cache and v_cache are one tensor"):
+        sa.write_kv_cache(k, v, kc, kc, torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="k_cache and v_cache share memory"):
+        sa.write_kv_cache(k, v, kc[:2], kc[1:], torch.tensor([0, 1, 2]))
+    for kernel in ("torch", "triton"):
+        kv = torch.zeros(3, 2, 16, 2, 8)  # [num_blocks, 2, block_size, Hkv, D]
+        slots = torch.tensor([0, 17, 47])
+        if kernel == "torch":
+            sa.write_kv_cache(k, v, kv[:, 0], kv[:, 1], slots)
+        else:  # the GPU's writer (under the interpreter here) reads the same strides
+            pytest.importorskip("triton")
+            from spanattn.backends.triton.cache_write import write_kv_cache_triton
+
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+            kvd = kv.to(dev)
+            write_kv_cache_triton(k.to(dev), v.to(dev), kvd[:, 0], kvd[:, 1], slots.to(dev))
+            kv = kvd.cpu()
+        assert torch.equal(kv[:, 0].reshape(-1, 2, 8)[slots], k)
+        assert torch.equal(kv[:, 1].reshape(-1, 2, 8)[slots], v)
+        assert kv.count_nonzero() == k.count_nonzero() + v.count_nonzero()
+
+
+def test_write_kv_cache_names_the_layout_it_expects():
+    """A head-major cache, as given or viewed in NHD order, and a strided head_dim: refused
+    naming the layout (torch's view error from inside cache.py before, or heads read as tokens)."""
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    head_major = torch.zeros(4, 2, 16, 8)  # [num_blocks, Hkv, block_size, D]
+    want = r"k must be \[tokens, kv_heads, head_dim\] = \[tokens, 16, 8\] to match k_cache \[num_blocks, "
+    with pytest.raises(ValueError, match=want + r"block_size, kv_heads, head_dim\].*head-major"):
+        sa.write_kv_cache(k, v, head_major, head_major.clone(), torch.tensor([0, 1, 2]))
+    want = r"k_cache must hold pages laid out \[num_blocks, block_size, kv_heads, head_dim\].*strides "
+    with pytest.raises(ValueError, match=want + r"\(256, 8, 128, 1\); that is a head-major cache"):
+        sa.write_kv_cache(k, v, head_major.transpose(1, 2), torch.zeros(4, 16, 2, 8), torch.tensor([0, 1, 2]))
+    strided = torch.zeros(4, 16, 2, 16)[..., ::2]
+    with pytest.raises(ValueError, match=r"v_cache must hold pages laid out"):
+        sa.write_kv_cache(k, v, torch.zeros(4, 16, 2, 8), strided, torch.tensor([0, 1, 2]))
+    with pytest.raises(TypeError, match="check_slots must be None, True or False, got 1"):
+        sa.write_kv_cache(k, v, torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8), torch.tensor([0, 1, 2]),
+                          check_slots=1)  # fmt: skip
+
+
 def test_paged_attention_argument_errors():
     p, bt = _setup()
     q = torch.randn(p.total_q, 4, 8)
@@ -92,6 +143,12 @@ def test_paged_attention_argument_errors():
         sa.attention(q, kc, vc, p, block_table=bt[:, :2].contiguous())
     with pytest.raises(ValueError, match="block_size"):
         sa.attention(q, kc.view(24, 8, 2, 8), vc.view(24, 8, 2, 8), p, block_table=bt)
+    head_major = torch.randn(3, 2, 40, 8)  # transformers' [batch, Hkv, tokens, D]
+    want = r"k.shape\[1\] \(block_size, in the paged layout \[num_blocks, block_size, kv_heads, head_dim\]\) "
+    with pytest.raises(ValueError, match=want + r"must be one of .*, got 2 .*head-major"):
+        sa.attention(q, head_major, head_major, p, block_table=bt)
+    with pytest.raises(TypeError, match=r"block_size must be an int, got 16.0"):
+        slot_mapping(p, bt, 16.0)
     with pytest.raises(ValueError, match="k must be a paged cache"):
         sa.attention(q, kc.view(-1, 2, 8), vc, p, block_table=bt)
     with pytest.raises(ValueError, match="q heads"):

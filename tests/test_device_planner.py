@@ -111,10 +111,13 @@ def _break(rule):
         spans = torch.cat([spans, torch.tensor([[1, 2, 4]], dtype=torch.int32, device=DEV)])
     elif rule == "cut":
         spans[2] = torch.tensor([1, 5, 14])
+    elif rule == "int32":  # int64 inputs whose int32 wrap would read as a valid sequence
+        q, kv, spans = q.long(), kv.long(), spans.long()
+        kv[1] = 2**32 + 12
     return q, kv, causal, spans, kw
 
 
-@pytest.mark.parametrize("rule", ["lengths", "max_q_len", "max_kv_len", "span", "overlap", "cut"])
+@pytest.mark.parametrize("rule", ["lengths", "max_q_len", "max_kv_len", "span", "overlap", "cut", "int32"])
 def test_a_broken_sequence_poisons_only_itself(rule):
     q, kv, causal, spans, kw = _break(rule)
     planner = planner_for(CLEAN, {"l": LAYER}, slack=5, **{"max_kv_tokens": None, **kw})
@@ -134,7 +137,8 @@ def test_a_broken_sequence_poisons_only_itself(rule):
 
 def _message(rule):
     return {"lengths": "kv_len >= q_len", "max_q_len": "max_q_len=6", "max_kv_len": "max_kv_len=20",
-            "span": "negative start", "overlap": "overlap", "cut": "allow_split_spans"}[rule]  # fmt: skip
+            "span": "negative start", "overlap": "overlap", "cut": "allow_split_spans",
+            "int32": "outside int32"}[rule]  # fmt: skip
 
 
 def test_capacity_overflow_and_foreign_spans():
@@ -154,6 +158,31 @@ def test_capacity_overflow_and_foreign_spans():
         planner.check()
 
 
+def test_values_outside_int32_are_rejected_not_truncated():
+    """int64 lengths and span bounds past int32 were copied wrapped into the int32 buffers
+    (``2**32 + 3`` planned as 3): now the sequence is rejected and check() names it; a span row
+    whose sequence number does not fit is the step's error (it named sequence 0 once wrapped)."""
+    planner = sa.DevicePlanner(
+        {"l": LAYER}, max_seqs=3, max_tokens=16, max_kv_len=32, max_spans=2, max_kv_tokens=64, device=DEV
+    )
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=DEV)
+    # sequence 1 last: the sequences after it would run past max_tokens (offsets follow lengths)
+    plan = planner.update(t([2, 2**32 + 3]), t([8, 2**32 + 5]), spans=t([[2**32, 0, 1]]))["l"]
+    err = planner.errors.cpu()
+    assert err[1, COLUMN["int32"]] and err[3, COLUMN["int32"]] and not err[0].any()
+    assert plan.seq_lens[0] == 8 and plan.seq_lens[1] == 0  # sequence 0 is planned, 1 is not
+    with pytest.raises(
+        ValueError, match=r"sequence 1 \(q_len 2147483647, kv_len 2147483647\): .*outside int32"
+    ):
+        planner.check()
+    planner.update(t([3, 2]), t([5, 8]), spans=t([[1, 0, 2**31]]))  # a span end past int32
+    err = planner.errors.cpu()
+    assert err[1, COLUMN["int32"]] and not err[0].any() and not err[3].any()
+    planner.update(t([3, 2]), t([5, 8]), causal=t([2**32, 1]))  # a flag clamped keeps its truth
+    assert not planner.errors.any()
+    assert planner.plans["l"].hi[:3].tolist() == sa.plan(sa.Batch([sa.Seq(3, kv_len=5)]), LAYER).hi.tolist()
+
+
 def test_update_argument_errors():
     planner = sa.DevicePlanner({"l": LAYER}, max_seqs=2, max_tokens=8, max_kv_len=8, max_spans=1, device=DEV)
     t = lambda x: torch.tensor(x, device=DEV)
@@ -163,6 +192,15 @@ def test_update_argument_errors():
         planner.update(t([1]), t([1]), spans=t([1, 2]))
     with pytest.raises(TypeError, match="q_lens must hold integers"):
         planner.update(t([1.0]), t([1]))
+    with pytest.raises(
+        TypeError, match=r"kv_lens must hold integers \(int32 or int64; no bools\), got torch.bool"
+    ):
+        planner.update(t([1]), t([True]))
+    with pytest.raises(ValueError, match="DevicePlanner.max_kv_len = 4294967296 is over 2147483647"):
+        sa.DevicePlanner({"l": LAYER}, max_seqs=2, max_tokens=8, max_kv_len=2**32)
+    missing = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+    with pytest.raises(ValueError, match=rf"DevicePlanner\(device=...\) = '{missing}', but "):
+        sa.DevicePlanner({"l": LAYER}, max_seqs=1, max_tokens=1, max_kv_len=1, device=missing)
     with pytest.raises(ValueError, match="DevicePlanner.max_q_len must be >= 1, got 0"):
         sa.DevicePlanner({"l": LAYER}, max_seqs=2, max_tokens=8, max_kv_len=8, max_q_len=0)
     with pytest.raises(TypeError, match=r"layers\['l'\] must be a spanattn.LayerMask"):
@@ -274,3 +312,5 @@ def test_slot_mapping_on_the_device():
     assert torch.equal(got[rows], want[rows]) and (got[6:9] == -1).all()
     with pytest.raises(ValueError, match="block_table must be"):
         plan.slot_mapping(bt[:, :2], 8)
+    with pytest.raises(TypeError, match="block_size must be an int, got 8.0"):
+        plan.slot_mapping(bt, 8.0)

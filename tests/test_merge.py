@@ -68,3 +68,16 @@ def test_errors_name_the_argument():
         sa.merge_attention_states(o, lse, o.half(), lse)
     with pytest.raises(ValueError, match="out_a"):
         sa.merge_attention_states(o[0], lse, o, lse)
+
+
+def test_infinite_parts():
+    """LSE +inf (an overflowed score) takes the whole weight, two such parts half each, LSE +inf;
+    before, exp(inf - inf) made the row NaN. Both -inf: a row that saw no key, zero and -inf."""
+    oa, ob = torch.randn(4, 1, 8), torch.randn(4, 1, 8)
+    la = torch.tensor([[INF], [INF], [0.3], [-INF]])
+    lb = torch.tensor([[INF], [0.5], [INF], [-INF]])
+    out, lse = sa.merge_attention_states(oa, la, ob, lb)
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(out[0], (oa[0] + ob[0]) / 2)
+    assert torch.equal(out[1], oa[1]) and torch.equal(out[2], ob[2]) and (out[3] == 0).all()
+    assert lse[:3].isposinf().all() and lse[3].isneginf().all()

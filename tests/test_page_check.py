@@ -34,6 +34,15 @@ def _step(batch=BATCH, page=16, seed=0, device="cpu"):
     return p, q, kc, vc, bt
 
 
+def _other(bt):
+    """A valid table with other entries than ``bt``: another step's (sequence 2, kv_len 5, reads
+    column 0 only)."""
+    table = bt.clone()
+    table[2, 1:] = table[2, 0] + 1
+    assert not torch.equal(table, bt)
+    return table
+
+
 def _brute(bt, kv_lens, num_blocks, page):
     want = []
     for r, kv in enumerate(kv_lens):
@@ -138,7 +147,7 @@ def test_check_pending_pages_waits_and_raises_in_order():
     sa.attention(q, kc, vc, p, block_table=bt, backend="reference")  # a table checked before: no query
     assert len(page_check._pending) == 1
     with pytest.raises(IndexError, match=r"block_table\[0, 2\] = 30: .*this call did not run"):
-        sa.attention(q, kc, vc, p, block_table=bt.clone(), backend="reference")  # the next step's
+        sa.attention(q, kc, vc, p, block_table=_other(bt), backend="reference")  # the next step's
     sa.check_pending_pages()
 
 
@@ -156,22 +165,31 @@ def test_a_full_list_of_pending_checks_waits_for_the_oldest():
     assert len(page_check._pending) == page_check.MAX_PENDING - 1
 
 
-def test_each_table_version_is_checked_once_per_plan_and_mode():
+def _counting(monkeypatch):
+    """The checks that read a table's entries, counted."""
+    found = []
+    real = page_check._find
+    monkeypatch.setattr(page_check, "_find", lambda *a: found.append(1) or real(*a))
+    return found
+
+
+def test_each_table_is_checked_once_per_plan_and_mode(monkeypatch):
     p, q, kc, vc, bt = _step()
-    checks = lambda: [key for key in p._cache if key[0] == "pages_checked"]
+    found = _counting(monkeypatch)
     sa.attention(q, kc, vc, p, block_table=bt, backend="reference")
     sa.attention(q, kc, vc, p, block_table=bt, backend="reference")
-    assert len(checks()) == 1
+    sa.attention(q, kc, vc, p, block_table=bt.clone(), backend="reference")  # the same entries
+    assert len(found) == 1
     sa.attention(q, kc, vc, p, block_table=bt, backend="reference", check_pages="sync")
-    assert len(checks()) == 2
-    bt[0, 0] = 99  # changed in place: a new version, checked again
+    assert len(found) == 2
+    bt[0, 0] = 99  # changed in place: checked again
     with pytest.raises(IndexError, match="sequence 0"):
         sa.attention(q, kc, vc, p, block_table=bt, backend="reference")
 
 
 def test_later_layers_of_a_step_do_not_look_at_pending_checks(monkeypatch):
     """Every attention call checks pages: the layers after a step's first, with its table, cost
-    one compare (no event query, no key), a new table looks at the pending checks first."""
+    one compare (no event query), a new table looks at the pending checks first."""
     p, q, kc, vc, bt = _step()
     sa.attention(q, kc, vc, p, block_table=bt, backend="reference")
     page_check.defer(bt, p, kc.shape[0], 16)  # a pending check (a clean one)
@@ -181,19 +199,93 @@ def test_later_layers_of_a_step_do_not_look_at_pending_checks(monkeypatch):
     for _ in range(3):
         sa.attention(q, kc, vc, p, block_table=bt, backend="reference")
     assert looked == []
-    sa.attention(q, kc, vc, p, block_table=bt.clone(), backend="reference")
+    sa.attention(q, kc, vc, p, block_table=_other(bt), backend="reference")
     assert looked == [1] and not page_check._pending
 
 
-def test_an_inference_mode_table_is_checked_once_per_plan():
+@pytest.mark.parametrize("edit", ["numpy", "inference_mode"])
+def test_a_table_edited_where_torch_counts_no_version_is_checked_again(edit):
+    """A CPU table is known by its entries: an edit through ``.numpy()`` (no version bump) or of
+    an inference-mode tensor (no version counter) after a good call is seen by the next call."""
     p, q, kc, vc, bt = _step()
-    with torch.inference_mode():
-        table = bt.clone()
-        sa.attention(q, kc, vc, p, block_table=table, backend="reference")
-        bad = bt.clone()
-        bad[1, 0] = -1
+    if edit == "numpy":
+        sa.attention(q, kc, vc, p, block_table=bt, backend="reference")
+        bt.numpy()[1, 0] = -1
+    else:
+        with torch.inference_mode():
+            bt = bt.clone()
+            sa.attention(q, kc, vc, p, block_table=bt, backend="reference")
+            bt[1, 0] = -1
     with pytest.raises(IndexError, match=r"block_table\[1, 0\] = -1"):
-        sa.attention(q, kc, vc, p, block_table=bad, backend="reference")
+        sa.attention(q, kc, vc, p, block_table=bt, backend="reference")
+
+
+def _raised(fn, *args, **kwargs) -> str | None:
+    try:
+        fn(*args, **kwargs)
+    except IndexError as err:
+        return str(err)
+    return None
+
+
+def missed_bad_tables(run, bt, num_blocks: int, steps: int) -> list:
+    """Good and bad tables by turns through ``run(table)``, each a new tensor (often where the
+    last one freed lived), one plan: the bad steps whose error was raised neither by their own
+    call, nor by the next call (another new, good table), nor by check_pending_pages after it
+    (the deferred check of a CUDA table may complete after the next call looked)."""
+    g = torch.Generator().manual_seed(1)
+    missed = []
+    for step in range(steps):
+        table = bt.clone()
+        value = (10**6, -1, num_blocks)[step % 3]
+        if step % 2:
+            table[int(torch.randint(0, bt.shape[0], (1,), generator=g)), 0] = value
+        raised = _raised(run, table)
+        del table  # its memory free for the next step's table
+        if step % 2:
+            raised = raised or _raised(run, bt.clone()) or _raised(sa.check_pending_pages)
+            if raised is None or f"= {value}: sequence" not in raised:
+                missed.append((step, raised))
+        else:
+            assert raised is None, (step, raised)
+    return missed
+
+
+def test_alternating_good_and_bad_tables_raise_for_every_bad_one():
+    """A bad table allocated where a checked good one lived was taken as checked (the check was
+    keyed by address, version and shape): every bad one raises now, a CPU table in its own call."""
+    p, q, kc, vc, bt = _step()
+    run = lambda table: sa.attention(q, kc, vc, p, block_table=table, backend="reference")
+    assert missed_bad_tables(run, bt, kc.shape[0], 100) == []
+    assert len(p.facts["pages_checked"]) <= page_check.REMEMBERED
+
+
+def test_a_plan_remembers_a_few_tables():
+    """20,000 calls with a table touched each time had kept 20,001 keys on the plan."""
+    p, q, kc, vc, bt = _step()
+    for i in range(200):
+        bt[0, 3] = i  # a column sequence 0 never reads: a new version and new entries, still good
+        page_check.check(bt, p, kc.shape[0], 16, "deferred")
+    assert len(p.facts["pages_checked"]) == page_check.REMEMBERED
+    assert not any("pages_checked" in str(key) for key in p._cache)
+
+
+def test_a_recheck_merges_into_its_pending_result():
+    """The kernel's merge: a re-check of a tensor keeps what its earlier launch found."""
+    from triton_cpu import DEV, load
+
+    kernel = load("page_check_triton", "_first_bad_kernel")
+    p, q, kc, vc, bt = _step()
+    bad = bt.clone()
+    bad[1, 1] = 77
+    lens = p.seq_lens.to(DEV)
+    out = kernel.first_bad_entries_triton(bad.to(DEV), lens, kc.shape[0], 16)
+    kernel.first_bad_entries_triton(bt.to(DEV), lens, kc.shape[0], 16, out=out, merge=True)
+    assert out.cpu().tolist() == [[-1, 0], [1, 77], [-1, 0]]
+    worse = bt.clone()
+    worse[0, 2] = -5
+    kernel.first_bad_entries_triton(worse.to(DEV), lens, kc.shape[0], 16, out=out, merge=True)
+    assert out.cpu().tolist() == [[2, -5], [1, 77], [-1, 0]]
 
 
 def test_sync_mode_under_torch_compile():
@@ -270,6 +362,32 @@ def test_a_cuda_table_is_checked_without_stopping_the_call():
         sa.attention(q, kc, vc, p, block_table=bad, check_pages="sync")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the deferred check of a CUDA table")
+def test_alternating_good_and_bad_cuda_tables_raise_for_every_bad_one():
+    """With the default deferred check: by the bad step's next call or check_pending_pages."""
+    p, q, kc, vc, bt = _step(DECODE, device="cuda")
+    run = lambda table: sa.attention(q, kc, vc, p, block_table=table)
+    assert missed_bad_tables(run, bt, kc.shape[0], 300) == []
+    assert len(p.facts["pages_checked"]) <= page_check.REMEMBERED
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the deferred check of a CUDA table")
+def test_an_inference_mode_cuda_table_is_checked_at_every_call():
+    """No version counter: every call checks it on the device, merged into one pending check."""
+    p, q, kc, vc, bt = _step(DECODE, device="cuda")
+    with torch.inference_mode():
+        table = bt.clone()
+        for _ in range(26):  # a model's layers
+            sa.attention(q, kc, vc, p, block_table=table)
+            assert len(page_check._pending) <= 1
+        sa.check_pending_pages()
+        table[1, 0] = -3  # edited after good calls
+        sa.attention(q, kc, vc, p, block_table=table)
+        table[1, 0] = bt[1, 0]  # and repaired: what the check of the bad call found stays
+        raised = _raised(sa.attention, q, kc, vc, p, block_table=table) or _raised(sa.check_pending_pages)
+    assert raised is not None and raised.startswith("block_table[1, 0] = -3: ") and "EARLIER" in raised
+
+
 def test_gpu_page_check_script_small(tmp_path):
     """benchmarks/gpu_page_check.py --tiny on CPU: the behaviour pass and every mode timed, steps
     of attention alone and with a model layer's other work."""
@@ -278,7 +396,13 @@ def test_gpu_page_check_script_small(tmp_path):
     (out,) = tmp_path.glob("*-page-check-cpu.json")
     data = json.loads(out.read_text())
     assert data["behaviour"]["ok"] and "block_table[1, 0]" in data["behaviour"]["sync_raised"]
-    assert data["env"]["torch"] and "transformers" in data["env"] and len(data["rows"]) == 3
-    assert [row["model"] for row in data["rows"]] == [False, False, True]  # attention alone; a model step
+    assert data["env"]["torch"] and "transformers" in data["env"] and len(data["rows"]) == 4
+    assert [row["model"] for row in data["rows"]] == [
+        False,
+        False,
+        True,
+        True,
+    ]  # attention alone; a model step
+    assert [row["inference"] for row in data["rows"]] == [False, False, False, True]
     for row in data["rows"]:
         assert all(row[f"step_ms_{m}"] > 0 for m in ("off", "deferred", "sync")) and row["defer_host_ms"] > 0
