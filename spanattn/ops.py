@@ -50,7 +50,8 @@ def _plan(lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, tables, handle, plan_met
 def full_args(args) -> tuple:
     """An op call's arguments with its defaults: torch passes the implementation a defaulted
     argument only where the op's caller gave it."""
-    return (*args, *_DEFAULTS)[:_N_ARGS]
+    given = len(args) - (_N_ARGS - len(_DEFAULTS))  # how many of the defaulted ones the caller gave
+    return (*args, *_DEFAULTS[given:])
 
 
 def _forward(args, return_lse: bool):
