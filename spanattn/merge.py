@@ -11,6 +11,10 @@ An empty part has ``lse = -inf`` and contributes nothing; two empty parts give `
 ``lse = -inf`` (never NaN): a row that saw no key stays finite. A part whose ``lse`` is ``+inf``
 (a score that overflowed) takes the whole weight, and two such parts half each, with ``lse =
 +inf``: the limit of ``lse_a = lse_b -> inf``, where ``exp(lse_a - lse)`` alone would be NaN.
+
+Differentiable (torch's autograd through torch ops: cascade and context-parallel training), with
+finite gradients in those cases too: no branch that ``torch.where`` leaves out computes an
+infinity, since its backward multiplies the left-out branch's derivative by 0.
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     out_*: ``[tokens, heads, head_dim]`` (any float dtype, both the same);
     lse_*: ``[tokens, heads]`` natural-log softmax denominators (fp32, scale applied), as
     ``spanattn.attention(..., return_lse=True)`` returns them.
-    Returns ``(out, lse)``: ``out`` in out_a's dtype, ``lse`` fp32. Vectorized, no host sync, so
-    it can sit inside a captured CUDA graph.
+    Returns ``(out, lse)``: ``out`` in out_a's dtype, ``lse`` fp32 (fp64 for fp64 inputs).
+    Vectorized, no host sync, so it can sit inside a captured CUDA graph.
 
     >>> import torch
     >>> o = torch.ones(1, 1, 2); lse = torch.zeros(1, 1)
@@ -56,16 +60,22 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     ([[[1.0, 1.0]]], [[0.0]])
     """
     _check(out_a, lse_a, out_b, lse_b)
-    la, lb = lse_a.float(), lse_b.float()
+    dtype = torch.promote_types(torch.promote_types(lse_a.dtype, lse_b.dtype), torch.float32)
+    la, lb = lse_a.to(dtype), lse_b.to(dtype)
     m = torch.maximum(la, lb)
     # Both parts empty (-inf) or one infinite (+inf): shift by 0 instead, so that exp gives finite
-    # weights, never inf - inf; an infinite part's weight is 1 (the other's 0) below.
+    # weights, never inf - inf; an infinite part's weight is 1 (the other's 0) below, and its
+    # exponent is 0 in the branch left out.
     top = torch.isposinf(m)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    wa = torch.where(top, (la == float("inf")).float(), torch.exp(la - m))
-    wb = torch.where(top, (lb == float("inf")).float(), torch.exp(lb - m))
+    weight = lambda x: torch.where(
+        top, (x == float("inf")).to(dtype), torch.exp(torch.where(top, 0.0, x - m))
+    )
+    wa, wb = weight(la), weight(lb)
     total = wa + wb
-    lse = torch.where(top, float("inf"), m + torch.log(total))  # log(0) = -inf for two empty parts
-    inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
-    out = out_a.float() * (wa * inv)[..., None] + out_b.float() * (wb * inv)[..., None]
+    seen = total > 0  # two empty parts: out 0, lse -inf, and 1 in place of total where it is left out
+    safe = torch.where(seen, total, torch.ones_like(total))
+    lse = torch.where(top, float("inf"), torch.where(seen, m + torch.log(safe), float("-inf")))
+    inv = torch.where(seen, 1.0 / safe, torch.zeros_like(safe))
+    out = out_a.to(dtype) * (wa * inv)[..., None] + out_b.to(dtype) * (wb * inv)[..., None]
     return out.to(out_a.dtype), lse

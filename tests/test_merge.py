@@ -81,3 +81,21 @@ def test_infinite_parts():
     torch.testing.assert_close(out[0], (oa[0] + ob[0]) / 2)
     assert torch.equal(out[1], oa[1]) and torch.equal(out[2], ob[2]) and (out[3] == 0).all()
     assert lse[:3].isposinf().all() and lse[3].isneginf().all()
+
+
+def test_gradients_through_merge_are_autograd_s_and_finite_at_infinite_lses():
+    """Cascade and context-parallel training differentiate the merge: gradcheck in float64 on
+    finite states, and rows with an empty or an overflowed part give finite gradients (no
+    torch.where branch left out holds an infinity)."""
+    g = torch.Generator().manual_seed(0)
+    f64 = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+    states = (f64(4, 2, 3), f64(4, 2), f64(4, 2, 3), f64(4, 2))
+    assert torch.autograd.gradcheck(sa.merge_attention_states, states)
+    inf = float("inf")
+    la = torch.tensor([[0.5, -inf], [-inf, inf], [inf, 1.0], [2.0, 0.3]], requires_grad=True)
+    lb = torch.tensor([[-inf, -inf], [0.2, inf], [3.0, -inf], [-1.0, 0.7]], requires_grad=True)
+    oa, ob = (torch.randn(4, 2, 3, generator=g, requires_grad=True) for _ in range(2))
+    out, lse = sa.merge_attention_states(oa, la, ob, lb)
+    (out.sum() + lse.masked_fill(lse.isinf(), 0).sum()).backward()
+    assert all(bool(torch.isfinite(t.grad).all()) for t in (oa, ob, la, lb))
+    assert torch.equal(out[0, 1], torch.zeros(3)) and lse[0, 1] == -inf  # both parts empty
