@@ -1,6 +1,7 @@
 """spanattn as torch custom ops (namespace ``spanattn``): what torch.compile and CUDA graphs see
-of it. Each op is opaque to dynamo, has a fake implementation giving its outputs' shapes, and
-is forward only (autograd reaching one raises).
+of it. Each op is opaque to dynamo and has a fake implementation giving its outputs' shapes. The
+host-plan attention ops train (their autograd: grad.py, through ``spanattn::attention_backward``);
+the device-plan ones serve and are forward only (autograd reaching one raises).
 
 - ``spanattn::attention(q, k, v, lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, tables,
   block_table, handle, plan_meta, backend, scale, softcap, check_pages) -> out`` (check_pages:
@@ -65,8 +66,8 @@ def _forward(args, return_lse: bool):
 def _forward_only(name: str):
     def backward(ctx, *grads):
         raise RuntimeError(
-            f"spanattn::{name} is forward only (no backward yet); run it under torch.no_grad() or "
-            "torch.inference_mode(), or detach its inputs"
+            f"spanattn::{name} is forward only: a device plan serves; plan a training step with "
+            "spanattn.plan, or run under torch.no_grad() or torch.inference_mode()"
         )
 
     return backward
