@@ -5,14 +5,14 @@ compares with the faster one's.
 
     python benchmarks/auto_choice.py --out results/ [--rounds 5] [--cases S1-128,S2-256/4]
 
-Steps: DESIGN.md section 5's S0-S2 and S4 at their head_dims, ``S1-text`` (S1's sliding layer
+Steps: docs/design.md section 5's S0-S2 and S4 at their head_dims, ``S1-text`` (S1's sliding layer
 over the same tokens without images: FA4's own window kernel, no spans) and, with ``/4``, S1,
 S1-text and S2 at a quarter of the tokens (8k: a short prompt, fewer waves of tiles; ``/2``:
 16k). Per round each backend times a block of calls (``do_bench``, L2 flushed), the order
 rotating, then the two take turns call by call (``turns_ms``); a ratio is the median over
 rounds of the two times in that round (auto's over the faster one's, triton's over fa4's).
 Each backend is first checked on the step scaled down 8x (fresh inputs, NaN-poisoned outputs,
-DESIGN.md section 4's rule); one that fails is not timed. Without a GPU a smoke run: the triton
+docs/design.md section 4's rule); one that fails is not timed. Without a GPU a smoke run: the triton
 interpreter alone on toy sizes. Writes ``<date>-auto-choice-<gpu>.json`` and a PNG of the ratios.
 """
 

@@ -80,7 +80,7 @@ def _skip_reason(name: str, mod, q, p: Plan, asked: bool) -> str | None:
 
 
 def check_layer(label: str, p: Plan, q, k, v, names, asked: bool, reps: int, log) -> list[Result]:
-    """Run each backend on one plan and apply DESIGN.md's rule:
+    """Run each backend on one plan and apply the rule of docs/design.md section 4:
     ``err <= 2 * err(same-dtype reference vs fp64) + 1e-4``; NaN never passes."""
     truth = Truth(q, k, v, p)
     results = []

@@ -59,7 +59,7 @@ class Seq:
         chunk); unsorted input is sorted, overlaps are an error. A span given as ``(start, end,
         group)`` belongs to span group ``group`` (an int >= 0, naming a group of this sequence
         only): a query inside any span of a group also sees every key inside the group's other
-        spans (several images or video frames that all see each other; DESIGN.md section 1).
+        spans (several images or video frames that all see each other; docs/design.md section 2).
     prompt_len: length of the whole request, when known; spans past ``kv_len`` but inside the
         prompt belong to later chunks and are ignored, except that a chunk must not end while a
         group it holds queries of has spans left. Defaults to ``kv_len``.

@@ -1,4 +1,4 @@
-"""Span groups against a brute-force per-pair predicate written here from DESIGN.md section 1,
+"""Span groups against a brute-force per-pair predicate written here from docs/design.md section 2,
 independently of spanattn/intervals.py and spanattn/groups.py; the chunking rule; group-free
 plans unchanged."""
 
