@@ -33,9 +33,11 @@ from typing import Optional
 
 import torch
 
-from . import api, cache, page_check
+from . import cache, page_check
 from .backends.dense import lse_dtype
 from .device_plan import DevicePlan
+from .dispatch import check_tensors, check_trainable, needs_grad, run
+from .grad import register_autograd
 from .plan import Plan
 
 Tensor = torch.Tensor
@@ -57,8 +59,8 @@ def full_args(args) -> tuple:
 def _forward(args, return_lse: bool):
     q, k, v, *plan_tensors, block_table, handle, meta, backend, scale, softcap, pages, grad = full_args(args)
     plan = _plan(*plan_tensors, handle, meta)
-    out, lse = api.run(q, k, v, plan, block_table, backend, scale, softcap, return_lse, pages,
-                       "op" if grad else None)  # fmt: skip
+    out, lse = run(q, k, v, plan, block_table, backend, scale, softcap, return_lse, pages,
+                   "op" if grad else None)  # fmt: skip
     return out.contiguous(), None if lse is None else lse.contiguous()
 
 
@@ -97,9 +99,10 @@ def _fake_lse(q, v):
     return _fake_out(q, v), q.new_empty((q.shape[0], q.shape[1]), dtype=lse_dtype(q))
 
 
-def _attention_op(name: str, with_lse: bool, tags: tuple = (), trains: bool = False):
+def _attention_op(name: str, with_lse: bool, tags: tuple = (), trains: bool = False, lse_op=None):
     """The op ``spanattn::<name>``: ``out``, or ``(out, lse)``; with its gradients where it
-    ``trains`` (grad.py), else forward only."""
+    ``trains`` (grad.py; ``lse_op``: the op whose LSE an op without one recomputes for its
+    backward), else forward only."""
     returns = "(Tensor, Tensor)" if with_lse else "Tensor"
 
     def forward(*args):
@@ -112,9 +115,7 @@ def _attention_op(name: str, with_lse: bool, tags: tuple = (), trains: bool = Fa
     )  # fmt: skip
     op.register_fake(lambda q, k, v, *plan_and_options: (_fake_lse if with_lse else _fake_out)(q, v))
     if trains:
-        from .grad import register_autograd
-
-        register_autograd(op, with_lse)
+        register_autograd(op, with_lse, full_args, lse_op)
     else:
         op.register_autograd(_forward_only(name), setup_context=lambda ctx, inputs, output: None)
     return op
@@ -124,8 +125,10 @@ def _attention_op(name: str, with_lse: bool, tags: tuple = (), trains: bool = Fa
 # host plans (never recorded; they train).
 attention_op = _attention_op("attention", False)
 attention_lse_op = _attention_op("attention_lse", True)
-host_attention_op = _attention_op("attention_host_plan", False, _NOT_REPLAYABLE, trains=True)
 host_attention_lse_op = _attention_op("attention_lse_host_plan", True, _NOT_REPLAYABLE, trains=True)
+host_attention_op = _attention_op(
+    "attention_host_plan", False, _NOT_REPLAYABLE, trains=True, lse_op=host_attention_lse_op
+)
 
 
 @torch.library.custom_op("spanattn::write_kv_cache", mutates_args=("k_cache", "v_cache"))
@@ -143,10 +146,10 @@ def _(k, v, k_cache, v_cache, slot_mapping, check_slots):
 def attention_call(q, k, v, plan, block_table, backend, scale, softcap, return_lse, check_pages=True):
     """:func:`spanattn.attention` while torch.compile traces it: the checks that read only
     tensor shapes, then the op (the rest of the checks run inside it)."""
-    api.check_tensors(q, k, v, plan, block_table)
-    grad = api.needs_grad(q, k, v)
+    check_tensors(q, k, v, plan, block_table)
+    grad = needs_grad(q, k, v)
     if grad:  # refused here already (under torch.compile: while tracing), not at the op's first run
-        api.check_trainable(plan, block_table)
+        check_trainable(plan, block_table)
     how = page_check.mode(check_pages)  # a string in the op's schema: "deferred", "sync" or "off"
     host = isinstance(plan, Plan)
     if host:

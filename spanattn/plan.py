@@ -92,7 +92,7 @@ class Plan:
 
     @cached_property
     def facts(self) -> dict:
-        """What calls on the plan keep for later calls: api.py's checked call shapes, the triton
+        """What calls on the plan keep for later calls: dispatch.py's checked call shapes, the triton
         backend's routes, the block table checked last (page_check.py)."""
         return {}
 
@@ -113,6 +113,19 @@ class Plan:
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
+
+    def packed_intervals(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``lo, hi`` moved into packed key coordinates (int32 ``[total_q]``), cached.
+
+        With these a mask over the packed batch is two compares, ``alo[q] <= kv <= ahi[q]``: every
+        interval lies inside its own sequence's keys, so no sequence-id check is needed.
+        """
+
+        def build():
+            offset = self.cu_seqlens_k[:-1][self.query_seq_ids()]
+            return (self.lo + offset).to(torch.int32), (self.hi + offset).to(torch.int32)
+
+        return self.cached("packed_intervals", build)
 
     def query_seq_ids(self) -> torch.Tensor:
         """int64 ``[total_q]``: the sequence of each packed query (cached)."""
@@ -150,9 +163,7 @@ class Plan:
         """Allowed (query, key) pairs of the step; FLOPs are ``4 * D * Hq`` times this."""
         pairs = int((self.hi.long() - self.lo.long() + 1).sum())
         if self.groups is not None:
-            from .tiles import packed_intervals
-
-            pairs += self.groups.extra_pairs(*packed_intervals(self))
+            pairs += self.groups.extra_pairs(*self.packed_intervals())
         return pairs
 
     def density(self) -> float:
