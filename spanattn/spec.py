@@ -23,9 +23,11 @@ class LayerMask:
 
     window: keys allowed on the past side, the query itself included (``q - k < window``);
         ``None`` means unlimited.
-    spans: how multimodal spans act: ``"off"`` ignores them, ``"on"`` is
-        ``(causal AND window) OR span`` (Gemma 3 / vLLM), ``"clamp"`` is
-        ``(causal OR span) AND past-window`` (Gemma 4 sliding layers).
+    spans: how multimodal spans act: ``"off"`` ignores them (Gemma 4's global layers), ``"on"``
+        is ``(causal AND window) OR span`` (vLLM's Gemma 3 on every layer, transformers' Gemma 3
+        on its global layers), ``"clamp"`` is ``(causal OR span) AND past-window`` (Gemma 4's
+        sliding layers, and transformers' Gemma 3 sliding layers). Gemma 3 in vLLM and in
+        transformers differ only for an image wider than the window (docs/design.md section 2).
     noncausal_window: the window of non-causal rows, ``"exclusive"`` keeps ``|q-k| < window``
         (vLLM, Gemma 3's bidirectional overlay), ``"inclusive"`` keeps ``|q-k| <= window``
         (transformers' ``sliding_window_bidirectional_overlay``).
