@@ -27,7 +27,6 @@ import torch
 from short_walks import _check, _inputs, _time_ms  # this folder
 
 import spanattn as sa
-from spanattn import dispatch
 from spanattn.bench.report import environment, pyplot, result_path
 from spanattn.bench.timing import rotated, turns_ms
 from spanattn.scenarios import scenarios
@@ -56,7 +55,7 @@ def run_case(name: str, sid: str, d: int, scale: int, args, device: str, dtype) 
     batch, layer = step(sid, scale)
     p = sa.plan(batch, layer, device)
     q, k, v = _inputs(p, d, dtype, seed=0)
-    row = {"case": name, "d": d, "auto": dispatch.auto_choice(q, p), "backends": {}}
+    row = {"case": name, "d": d, "auto": sa.auto_choice(q, p), "backends": {}}
     small_batch, small_layer = step(sid, scale * (8 if device == "cuda" else 1))
     small = argparse.Namespace(batch=small_batch, layer=small_layer)
     timed = {}

@@ -26,7 +26,6 @@ import time
 import torch
 
 import spanattn as sa
-from spanattn import dispatch
 from spanattn.backends import fa4, flex
 from spanattn.bench.report import environment, result_path
 from spanattn.bench.timing import kernel_ms
@@ -93,7 +92,7 @@ def bench(sid, sc, d, rounds, log):
     row = {
         "scenario": sid,
         "d": d,
-        "auto_picks": dispatch.auto_choice(q, p),
+        "auto_picks": sa.auto_choice(q, p),
         "fa4_path": "builtin" if fa4.builtin(p) else "sparse",
     }
     row["fa4_copies"] = fa4.copies(p, d)

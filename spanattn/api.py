@@ -20,18 +20,18 @@ def _autocast(q) -> bool:
 
 
 def attention(
-    q,
-    k,
-    v,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     plan: Plan | DevicePlan,
     *,
-    block_table=None,
+    block_table: torch.Tensor | None = None,
     backend: str = "auto",
     scale: float | None = None,
     softcap: float | None = None,
     return_lse: bool = False,
     check_pages: bool | str = True,
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of packed varlen ``q [total_q, Hq, D]`` over ``k, v [total_k, Hkv, D]`` under the
     plan's mask. Returns ``out [total_q, Hq, D]`` (q's dtype), and with ``return_lse=True`` also
     ``lse [total_q, Hq]`` (fp32, natural log of the softmax denominator, scale applied).
@@ -58,7 +58,8 @@ def attention(
         installed, head_dim <= 256), triton (CUDA), sdpa, reference, skipping one that declines
         a step another runs better (fa4 leaves decode-shaped and ragged steps to triton, and on
         Hopper the span steps triton's Gluon kernels run faster);
-        a backend named explicitly runs or raises, never falls back.
+        a backend named explicitly runs or raises, never falls back. :func:`spanattn.auto_choice`
+        names the backend ``"auto"`` runs for a call.
     scale: softmax scale, default ``1 / sqrt(D)``. softcap: Gemma-2-style ``c * tanh(s / c)``.
 
     Gradients: when q, k or v requires grad (and grad mode is on), the output (and the LSE)

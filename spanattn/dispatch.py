@@ -170,10 +170,24 @@ def _trainer(q, plan, opts: dict) -> str:
     return "reference"
 
 
-def auto_choice(q, plan, softcap=None, return_lse=False, grad=None) -> str:
-    """The name of the backend ``attention(q, k, v, plan)`` runs with ``backend="auto"`` (for
-    benchmarks and logs; raises as the call would where none can run it). grad: how the call
-    is differentiated (``GRAD_MODES``; auto takes a backend that trains it)."""
+def auto_choice(
+    q: torch.Tensor,
+    plan: Plan | DevicePlan,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    grad: str | None = None,
+) -> str:
+    """The name of the backend that ``spanattn.attention(q, k, v, plan, softcap=...,
+    return_lse=...)`` runs with ``backend="auto"`` on this machine (for logs and benchmarks);
+    raises as the call would where no backend can run it. grad: ``None`` for a call without
+    gradients, ``"eager"`` for an eager call whose q, k or v requires grad (auto then takes a
+    backend that trains it; ``"op"``: through the torch op, as under torch.compile).
+
+    >>> import torch, spanattn as sa
+    >>> p = sa.plan(sa.Batch([sa.Seq(q_len=8, spans=[(2, 5)])]), sa.LayerMask(window=4))
+    >>> sa.auto_choice(torch.randn(8, 2, 16), p)  # on a CPU
+    'sdpa'
+    """
     mod = pick(q, plan, "auto", {"softcap": softcap, "return_lse": return_lse, "grad": grad})
     return mod.__name__.rsplit(".", 1)[-1]
 
@@ -221,7 +235,7 @@ def resolve(q, k, v, plan, block_table, backend, scale, softcap, return_lse, che
     if block_table is not None:
         opts["block_table"] = block_table
     key = _call_key(q, k, v, plan, block_table, backend, softcap, return_lse, grad)
-    mod = plan.facts.get(key) if key is not None else None
+    mod = plan._facts.get(key) if key is not None else None
     if mod is None:
         check_tensors(q, k, v, plan, block_table)
         if block_table is None:
@@ -232,7 +246,7 @@ def resolve(q, k, v, plan, block_table, backend, scale, softcap, return_lse, che
             check_trainable(plan, block_table)
         mod = pick(q, plan, backend, {**opts, "grad": grad})
         if key is not None:
-            plan.facts[key] = mod
+            plan._facts[key] = mod
     elif block_table is not None:
         # The key holds what check_paged reads (shapes, dtypes, devices); the entries change.
         page_check.check(block_table, plan, k.shape[0], k.shape[1], how)

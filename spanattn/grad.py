@@ -27,7 +27,7 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 
 
 def _backward_impl(dout, dlse, q, k, v, out, lse, handle, backend, scale, softcap):
-    plan = Plan.from_handle(handle)
+    plan = Plan._from_handle(handle)
     mod = pick(q, plan, backend, {"softcap": softcap, "return_lse": True, "grad": "op"})
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     dq, dk, dv = mod.backward(q, k, v, out, lse, dout, plan, scale=scale, softcap=softcap, dlse=dlse)
@@ -50,7 +50,7 @@ def _live_plan(handle):
     """The plan behind a real (not traced) handle, so that the autograd graph keeps it alive until
     its backward; None while torch.compile traces (the caller keeps a compiled step's plan)."""
     if type(handle) is torch.Tensor and handle.device.type == "cpu":
-        return Plan.from_handle(handle)
+        return Plan._from_handle(handle)
     return None
 
 

@@ -12,7 +12,7 @@ is forward only (autograd reaching one raises).
     ``tables`` (e.g. triton's tile schedule), with ``plan_meta``, a string naming its layer
     kind, capacity and table layout: the op rebuilds the plan around the tensors it receives;
   * a host plan (spanattn.plan): ``lo, hi`` and ``handle``, a one-element CPU tensor naming the
-    plan (``Plan.from_handle``), through which the op reaches the rest: its lengths are host
+    plan (``Plan._from_handle``), through which the op reaches the rest: its lengths are host
     values that change every step, so as op constants they would recompile the graph each step,
     and rebuilt from tensors they would cost a device sync and a table build per layer; its
     offsets are views into one upload buffer at offsets that change with the batch, which
@@ -45,8 +45,8 @@ Tensor = torch.Tensor
 
 def _plan(lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, tables, handle, plan_meta):
     if handle is not None:
-        return Plan.from_handle(handle)
-    return DevicePlan.from_op(lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, tables, plan_meta)
+        return Plan._from_handle(handle)
+    return DevicePlan._from_op(lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, tables, plan_meta)
 
 
 def full_args(args) -> tuple:
@@ -167,7 +167,15 @@ def attention_call(q, k, v, plan, block_table, backend, scale, softcap, return_l
     return (host_attention_op if host else attention_op)(*args)
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_slots: bool | None = None) -> None:
+def write_kv_cache(
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    check_slots: bool | None = None,
+) -> None:
     """Write this step's ``k, v [tokens, Hkv, D]`` into ``k_cache, v_cache [num_blocks,
     block_size, Hkv, D]`` in place, row ``t`` at flat slot ``slot_mapping[t]``; negative slots are
     skipped (padding tokens, as in vLLM). Under torch.compile, the op ``spanattn::write_kv_cache``.

@@ -30,8 +30,13 @@ class Plan:
     seq_lens: int32 ``[num_seqs]`` keys per sequence (``seqused_k`` for a paged cache).
     groups: the span groups' part of the mask (groups.py), None when the step has none (then the
         intervals are the whole mask).
-    handle: int64 ``[1]`` on the CPU naming this plan (``Plan.from_handle``): how the torch ops
+    handle: int64 ``[1]`` on the CPU naming this plan (``Plan._from_handle``): how the torch ops
         (ops.py) reach the plan's host-side facts and cached tables without a device sync.
+
+    Users read the fields above, ``total_q``, ``total_k``, ``num_seqs``, and ``describe()``,
+    ``to_dense(i)``, ``allowed_pairs()``, ``density()``. The other methods (``cached``,
+    ``columns``, ``packed_intervals``, ``query_seq_ids``, ``host_layout``, ``seq_slice``,
+    ``dense_rows``) serve the backends: tables derived from the plan, built once and cached on it.
     """
 
     batch: Batch
@@ -53,7 +58,7 @@ class Plan:
         _LIVE[serial] = self
 
     @staticmethod
-    def from_handle(handle: torch.Tensor) -> Plan:
+    def _from_handle(handle: torch.Tensor) -> Plan:
         """The live plan a ``handle`` names (the torch ops' way back to it)."""
         plan = _LIVE.get(int(handle[0]))
         if plan is None:
@@ -91,7 +96,7 @@ class Plan:
         return min(s.kv_len for s in self.batch.seqs)
 
     @cached_property
-    def facts(self) -> dict:
+    def _facts(self) -> dict:
         """What calls on the plan keep for later calls: dispatch.py's checked call shapes, the triton
         backend's routes, the block table checked last (page_check.py)."""
         return {}
@@ -199,7 +204,7 @@ class Plan:
         )
 
 
-def plan(batch: Batch, layer: LayerMask, device="cpu") -> Plan:
+def plan(batch: Batch, layer: LayerMask, device: str | torch.device = "cpu") -> Plan:
     """Compute the intervals and packing of one step for one kind of layer.
 
     >>> import spanattn as sa

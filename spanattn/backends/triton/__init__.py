@@ -209,7 +209,7 @@ def prepare(plan, head_dim: int, dtype: torch.dtype = torch.bfloat16, group: int
             return
         cfg = pick(head_dim, dtype, kmod.INTERPRETED, plan.layer.window, tma=False)
         bm, bn = cfg.block_m, cfg.block_n
-        plan.prepare_table(
+        plan._prepare_table(
             ("triton.tiles", bm, bn, True), lambda out: build_device_schedule(plan, bm, bn, True, out)
         )
         return
@@ -286,11 +286,11 @@ def forward(
     key = call_shape(q, k, v, out, block_table, page_size, softcap, return_lse, config, lpt, kernel)
     if key is None:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    run = plan.facts.get(key) if key is not None and plan.capacity is None else None
+    run = plan._facts.get(key) if key is not None and plan.capacity is None else None
     if run is None:
         run = _route(q, k, v, plan, softcap, return_lse, out, config, lpt, block_table, page_size, kernel)
         if key is not None and plan.capacity is None:
-            plan.facts[key] = run
+            plan._facts[key] = run
     return run(q, k, v, out, block_table, scale, softcap)
 
 
