@@ -5,14 +5,14 @@ compares with the faster one's.
 
     python benchmarks/auto_choice.py --out results/ [--rounds 5] [--cases S1-128,S2-256/4]
 
-Steps: DESIGN.md section 5's S0-S2 and S4 at their head_dims, ``S1-text`` (S1's sliding layer
+Steps: docs/design.md section 5's S0-S2 and S4 at their head_dims, ``S1-text`` (S1's sliding layer
 over the same tokens without images: FA4's own window kernel, no spans) and, with ``/4``, S1,
 S1-text and S2 at a quarter of the tokens (8k: a short prompt, fewer waves of tiles; ``/2``:
 16k). Per round each backend times a block of calls (``do_bench``, L2 flushed), the order
 rotating, then the two take turns call by call (``turns_ms``); a ratio is the median over
 rounds of the two times in that round (auto's over the faster one's, triton's over fa4's).
 Each backend is first checked on the step scaled down 8x (fresh inputs, NaN-poisoned outputs,
-DESIGN.md section 4's rule); one that fails is not timed. Without a GPU a smoke run: the triton
+docs/design.md section 4's rule); one that fails is not timed. Without a GPU a smoke run: the triton
 interpreter alone on toy sizes. Writes ``<date>-auto-choice-<gpu>.json`` and a PNG of the ratios.
 """
 
@@ -27,7 +27,6 @@ import torch
 from short_walks import _check, _inputs, _time_ms  # this folder
 
 import spanattn as sa
-from spanattn import api
 from spanattn.bench.report import environment, pyplot, result_path
 from spanattn.bench.timing import rotated, turns_ms
 from spanattn.scenarios import scenarios
@@ -56,7 +55,7 @@ def run_case(name: str, sid: str, d: int, scale: int, args, device: str, dtype) 
     batch, layer = step(sid, scale)
     p = sa.plan(batch, layer, device)
     q, k, v = _inputs(p, d, dtype, seed=0)
-    row = {"case": name, "d": d, "auto": api.auto_choice(q, p), "backends": {}}
+    row = {"case": name, "d": d, "auto": sa.auto_choice(q, p), "backends": {}}
     small_batch, small_layer = step(sid, scale * (8 if device == "cuda" else 1))
     small = argparse.Namespace(batch=small_batch, layer=small_layer)
     timed = {}

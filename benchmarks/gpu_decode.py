@@ -59,7 +59,8 @@ def sync_debug(mode):
 
 
 def rule(out, lse, q, kc, vc, bt, p, scale, softcap=None):
-    """DESIGN.md's rule (spanattn.oracle) for out and LSE, against the pages gathered back."""
+    """The rule of docs/design.md section 4 (spanattn.oracle) for out and LSE, against the pages
+    gathered back."""
     return Truth(q, kc, vc, p, scale=scale, softcap=softcap, block_table=bt).check(out, lse).as_dict()
 
 

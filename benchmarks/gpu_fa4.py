@@ -7,7 +7,7 @@ Writes results/<date>-fa4-<gpu>.json, after every part.
 
 check: correctness grid (bf16/fp16, D 64/128/256, GQA 1/2/8, windows, span modes, mixed batches,
     softcap, LSE) on both paths (FA4's built-in causal/window, once per causal flag where a step
-    has both, and the interval mask_mod with block-sparse tables), held to DESIGN.md section 4's
+    has both, and the interval mask_mod with block-sparse tables), held to docs/design.md section 4's
     rule; outputs land in NaN-poisoned memory.
 count: FA4 kernel compilations over random steps (lengths, spans, flags, batch size change).
 mixed: a serving step (prefill chunks with images, 64 decode rows, canvases): fa4 vs triton.

@@ -28,7 +28,6 @@ from spanattn.bench.report import environment, result_path
 from spanattn.bench.timing import host_ms
 from spanattn.oracle import Truth
 from spanattn.scenarios import HKV, HQ, check_step, scenarios
-from spanattn.tiles import packed_intervals
 
 DEV = "cuda"
 # Every variant compiles per shape at least once; the default limit (8) would silently send the
@@ -71,7 +70,7 @@ def check(res):
 
 
 def peer_mask(p):
-    alo, ahi = packed_intervals(p)
+    alo, ahi = p.packed_intervals()
     return lambda b, h, q_idx, kv_idx: (kv_idx >= alo[q_idx]) & (kv_idx <= ahi[q_idx])
 
 

@@ -5,7 +5,7 @@
    decode kernel on ``group_decode_step``; triton at head_dim 128 (packed and over 16-token
    pages) and 256, flex, sdpa and fa4 at 128; the Gluon kernels (every sequence a key tile
    long: the step's first four sequences at positions x16) at 128, 256 and 512, packed and
-   paged; each held to the fp64 rule (DESIGN.md section 4) and, packed, to isolation (one
+   paged; each held to the fp64 rule (docs/design.md section 4) and, packed, to isolation (one
    sequence's NaN changes no other's bits).
 2. The video scenarios (``scenarios.video_scenarios``: 64 frames x 256 tokens with 16-token
    timestamps, d128; a global layer and a W=1024 clamped one) and their twins without groups

@@ -26,12 +26,11 @@ import time
 import torch
 
 import spanattn as sa
-from spanattn import api
 from spanattn.backends import fa4, flex
 from spanattn.bench.report import environment, result_path
 from spanattn.bench.timing import kernel_ms
 from spanattn.scenarios import HKV, HQ, scenarios
-from spanattn.tiles import packed_intervals, tile_tables
+from spanattn.tiles import tile_tables
 
 DEV = "cuda"
 
@@ -41,7 +40,7 @@ def _fa4_packed(p, q, k, v, scale):
     from flash_attn.cute import flash_attn_func
 
     block_n = fa4._kv_tile(q.shape[-1], p.layer.window is not None)
-    alo, ahi = packed_intervals(p)
+    alo, ahi = p.packed_intervals()
     size = (-(-p.total_q // fa4.BLOCK_M) + 1) * fa4.BLOCK_M
     lo = torch.full((size,), fa4.EMPTY_LO, dtype=torch.int32, device=DEV)
     width = torch.zeros(size, dtype=torch.int32, device=DEV)
@@ -54,7 +53,7 @@ def _fa4_packed(p, q, k, v, scale):
 
 def _flex_packed(p, q, k, v, scale):
     t = tile_tables(p, flex.BLOCK_M, flex.BLOCK_N)
-    alo, ahi = packed_intervals(p)
+    alo, ahi = p.packed_intervals()
     step = flex._compiled(False)
     return lambda: flex._call(step, q, k, v, alo, ahi, t, scale, None, False)
 
@@ -93,7 +92,7 @@ def bench(sid, sc, d, rounds, log):
     row = {
         "scenario": sid,
         "d": d,
-        "auto_picks": api.auto_choice(q, p),
+        "auto_picks": sa.auto_choice(q, p),
         "fa4_path": "builtin" if fa4.builtin(p) else "sparse",
     }
     row["fa4_copies"] = fa4.copies(p, d)

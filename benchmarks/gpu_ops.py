@@ -14,7 +14,7 @@ graph: ONE CUDA graph holding DevicePlanner.update (two layer kinds: sliding/cla
     capacity on the prefill kernel, a decode capacity on the split-KV kernel) and replayed on
     new metadata (lengths, spans, causal flags, pages, sequence counts): every replay equal
     to an eager run on the same metadata (exact: the same kernels and tables), and within
-    DESIGN.md's numerics rule of the host plan's reference.
+    the numerics rule (docs/design.md section 4) of the host plan's reference.
 example: examples/paged_engine.py end to end (a CUDA graph per step on a GPU).
 """
 

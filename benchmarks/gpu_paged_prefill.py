@@ -3,7 +3,7 @@ one GPU in one call.
 
     python benchmarks/gpu_paged_prefill.py --out results/   # writes results/<date>-paged-prefill-<gpu>.json
 
-paged: S1-S3 (DESIGN.md section 5; bf16, Hq 16 / Hkv 8) with K/V written into a paged cache
+paged: S1-S3 (docs/design.md section 5; bf16, Hq 16 / Hkv 8) with K/V written into a paged cache
     whose pages are scattered at random (page 16 and 128), read the default way (on Hopper a
     Gluon kernel reads them in place), and the triton kernel's two ways (walk them in place /
     copy them out first, which lets TMA and the Gluon kernels read them) and the copy alone.

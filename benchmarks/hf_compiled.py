@@ -22,8 +22,8 @@ new + 1 tokens - prefill); compile = the first compiled call's time above a stea
 Exactness, same call, at the first context: the stack rerun in fp32, eager, where spanattn's
 greedy tokens must equal SDPA's and its logits agree within 1e-3; every bf16 run's logits
 against fp32 SDPA's, over the steps whose tokens agree with it: spanattn's error at most twice
-SDPA's in the same mode plus 1e-2 (DESIGN.md's rule at stack level); whether each compiled run's
-tokens equal its eager run's is recorded.
+SDPA's in the same mode plus 1e-2 (docs/design.md section 4's rule at stack level); whether
+each compiled run's tokens equal its eager run's is recorded.
 """
 
 from __future__ import annotations

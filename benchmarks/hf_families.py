@@ -17,7 +17,7 @@ Per family and size: median prefill time, peak memory above the weights, and the
 states against the reference (SDPA, else eager). Exactness, same call: at the first size the
 reference reruns in fp64 (weights upcast exactly) as the truth, and spanattn and the reference
 in fp32; in fp32 and in bf16, spanattn's error against the truth must be at most twice the
-reference's own error (DESIGN.md's rule, at stack level; see ``exactness``).
+reference's own error (docs/design.md section 4's rule, at stack level; see ``exactness``).
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def image_spans(family: Family, n: int, tiny: bool) -> list[tuple[int, int]]:
     if family.slot is None:  # one image: PaliGemma's 4096 tokens, a quarter of Molmo2's prompt
         return [(first, first + min(n // 4, family.image // shrink or n) - 1)]
     count = max(1, n // (family.slot // shrink))
-    step = (n - first) // count  # DESIGN.md section 5's spread: image i at first + i * step
+    step = (n - first) // count  # docs/design.md section 5's spread: image i at first + i * step
     return [(first + i * step, first + i * step + family.image // shrink - 1) for i in range(count)]
 
 
@@ -326,9 +326,10 @@ def reference(family: Family) -> str:
 
 
 def exactness(family: Family, model, n: int, hidden: dict, device, tiny: bool) -> dict:
-    """DESIGN.md's rule at stack level, at ``n`` tokens: the truth is the reference run in fp64;
-    in fp32 and in the benchmark's dtype, spanattn's error against it must be at most twice the
-    reference's own error in the same dtype (plus 1e-6 in fp32, 1e-2 in bf16). Random deep stacks
+    """The rule of docs/design.md section 4 at stack level, at ``n`` tokens: the truth is the
+    reference run in fp64; in fp32 and in the benchmark's dtype, spanattn's error against it must
+    be at most twice the reference's own error in the same dtype (plus 1e-6 in fp32, 1e-2 in
+    bf16). Random deep stacks
     amplify rounding (an MoE router flips an expert), so a fixed tolerance would not tell a
     wrong mask from a chaotic model; the reference's own error does."""
     ref, ours = reference(family), spanattn.hf.NAME

@@ -5,16 +5,16 @@ fa4 backend.
 
     python benchmarks/short_walks.py --out results/ [--rounds 7] [--scenarios S1,S3-256] [--scale 1]
 
-Efficiency (DESIGN.md section 5): TFLOP/s over the step's allowed pairs divided by FA4's built-in
+Efficiency (docs/design.md section 5): TFLOP/s over the step's allowed pairs divided by FA4's built-in
 causal/window kernel's TFLOP/s over its own pairs, on the step's causal twin (every sequence
 causal, spans off, the same window: what it can run), per round, medians over rounds; 1.0 = as
 well as FA4's plain kernel. In a round each contender times a block of calls (``do_bench``),
-the order rotating; ``--timing turns`` has them take turns call by call instead, which removes
-the drift between blocks but runs every call at a clock the contenders share (the H200 gives
-kernels different clocks: clocks.py). Each contender is checked first on the scenario scaled down 8x
-(fresh inputs, NaN-poisoned outputs, DESIGN.md section 4's rule) and, at full size, the
-persistent launch must equal the one-program-per-item launch bit for bit. Without a GPU it runs
-the triton backend alone at ``--scale 64`` (a smoke run). Writes
+the order rotating; ``--timing turns`` has them take turns call by call instead, which removes the
+drift between blocks but runs every call at a clock the contenders share (the H200 gives kernels
+different clocks: tools/kernel_lab/clocks.py). Each contender is checked first on the scenario
+scaled down 8x (fresh inputs, NaN-poisoned outputs, docs/design.md section 4's rule) and, at full
+size, the persistent launch must equal the one-program-per-item launch bit for bit. Without a GPU
+it runs the triton backend alone at ``--scale 64`` (a smoke run). Writes
 ``<date>-short-walks-<gpu>.json`` and a PNG of the efficiencies.
 """
 

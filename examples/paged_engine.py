@@ -4,7 +4,8 @@ slot mapping and multimodal placeholder positions. An example, not an engine: no
 q/k/v per token, a toy scheduler and page allocator.
 
 Each step packs up to ``--budget`` new tokens of three requests (one with an image that no chunk
-end may cut, one plain text, one with a non-causal canvas) into buffers of a fixed capacity,
+end may cut, one plain text, one with a non-causal canvas) into buffers of a fixed capacity (the
+budget, or the longest image where that is longer: such an image takes a step of its own),
 plans two layer kinds (a sliding layer with spans clamped to its window, a global one with
 spans on) on the device with :class:`spanattn.DevicePlanner`, writes the new keys into each
 layer's paged cache and attends over it. Every output row is checked against the host plan of
@@ -36,6 +37,7 @@ class Request:
     causal: bool = True
     done: int = 0  # tokens in the cache
     pages: list = field(default_factory=list)
+    waiting_since: int | None = None  # the step that first left it out, while it waits
 
     @property
     def length(self) -> int:
@@ -45,32 +47,45 @@ class Request:
     def spans(self) -> list[tuple[int, int]]:
         return sa.spans_from_placeholders(self.placeholders)
 
+    def next_tokens(self, budget: int) -> int:
+        """New tokens of its next step within ``budget``: one decode token, or the longest
+        prefill chunk that ends inside no image (sa.max_chunk_end); more than ``budget`` only
+        where an image starting at ``done`` is longer than it."""
+        if self.done >= self.prompt_len:
+            return 1
+        return sa.max_chunk_end(self.spans, self.done, min(budget, self.prompt_len - self.done)) - self.done
 
-def schedule(requests, budget: int) -> list[tuple[int, int]]:
-    """(request index, new tokens) of one step: decode rows first, then prefill chunks, never
-    past the budget and never ending inside an image (sa.max_chunk_end)."""
+
+def schedule(requests, budget: int, now: int = 0) -> list[tuple[int, int]]:
+    """(request index, new tokens) of step ``now``: never past the budget, never ending inside an
+    image, and never starving a request. Requests that a step left out go first in the next one,
+    longest waiting first, then decode rows, then prefill chunks; a chunk longer than the whole
+    budget (an image wider than it) runs as a step of its own. So a request left out runs within
+    as many steps as there are requests waiting before it."""
+    live = [(i, r) for i, r in enumerate(requests) if r.done < r.length]
+    first = lambda x: (x[1].waiting_since is None, x[1].waiting_since or 0, x[1].done < x[1].prompt_len, x[0])
     step, left = [], budget
-    for i, r in sorted(enumerate(requests), key=lambda x: x[1].done < x[1].prompt_len):
-        if r.done >= r.length or left == 0:
-            continue
-        if r.done >= r.prompt_len:
-            n = 1
+    for i, r in sorted(live, key=first):
+        n = r.next_tokens(left or budget)
+        if n > budget and not step:  # an image wider than the budget: alone, all of it
+            step, left = [(i, n)], 0
+        elif n <= left:
+            step.append((i, n))
+            left -= n
         else:
-            n = sa.max_chunk_end(r.spans, r.done, min(left, r.prompt_len - r.done)) - r.done
-            if n > left:  # an image longer than what is left of the budget: next step
-                continue
-        step.append((i, n))
-        left -= n
+            r.waiting_since = now if r.waiting_since is None else r.waiting_since
+            continue
+        r.waiting_since = None
     return step
 
 
 class Engine:
-    def __init__(self, device, backend: str, budget: int, max_seqs: int = 4, num_pages: int = 64):
-        self.device, self.backend, self.budget = torch.device(device), backend, budget
+    def __init__(self, device, backend: str, max_tokens: int, max_seqs: int = 4, num_pages: int = 64):
+        self.device, self.backend = torch.device(device), backend
         self.free = list(range(num_pages))[::-1]
         self.max_blocks = 12
         self.planner = sa.DevicePlanner(
-            LAYERS, max_seqs=max_seqs, max_tokens=budget, max_kv_len=self.max_blocks * PAGE,
+            LAYERS, max_seqs=max_seqs, max_tokens=max_tokens, max_kv_len=self.max_blocks * PAGE,
             max_spans=2 * max_seqs, device=device,
         )  # fmt: skip
         self.planner.prepare(backend, head_dim=D, dtype=self.dtype, group=HQ // HKV)
@@ -153,19 +168,20 @@ class Engine:
 def run(device="cpu", backend=None, budget: int = 48, compile_backend: str | None = None, graph=None):
     """Drive the requests to completion; returns the number of steps and the worst error."""
     backend = backend or ("triton" if torch.device(device).type == "cuda" else "reference")
-    engine = Engine(device, backend, budget)
     requests = [
         Request(prompt_len=90, decode_tokens=5, placeholders=[(20, 40)]),  # an image of 40 tokens
         Request(prompt_len=30, decode_tokens=7),
         Request(prompt_len=24, decode_tokens=0, placeholders=[(4, 20)], causal=False),  # a canvas
     ]
+    widest = max(e - s + 1 for r in requests for s, e in r.spans)
+    engine = Engine(device, backend, max_tokens=max(budget, widest))  # an image's own step fits
     attend = engine.attend
     if compile_backend:
         attend = torch.compile(attend, fullgraph=True, backend=compile_backend)
     replay = None
     steps, worst, tol = 0, 0.0, 2e-2 if engine.dtype == torch.float16 else 1e-5
     while any(r.done < r.length for r in requests):
-        step = schedule(requests, budget)
+        step = schedule(requests, budget, steps)
         meta = engine.metadata(requests, step)
         qkv = engine.new_tokens(sum(n for _, n in step), seed=steps)
         if graph if graph is not None else engine.device.type == "cuda":
@@ -217,7 +233,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--backend", default=None, help="default: triton on CUDA, reference on CPU")
-    ap.add_argument("--budget", type=int, default=48, help="new tokens per step (the capacity)")
+    ap.add_argument(
+        "--budget", type=int, default=48, help="new tokens per step (an image wider takes a step of its own)"
+    )
     ap.add_argument(
         "--compile", default=None, metavar="BACKEND", help="torch.compile the step (e.g. aot_eager)"
     )

@@ -19,7 +19,6 @@ import torch
 from .groups import SpanGroups
 from .intervals import seq_ids
 from .plan import Plan
-from .tiles import packed_intervals
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,7 @@ def aligned_layout(plan: Plan, block_m: int, block_n: int) -> AlignedLayout:
 
     def build():
         q, k = padded_rows(plan, "q", block_m), padded_rows(plan, "k", block_n)
-        alo, ahi = packed_intervals(plan)
+        alo, ahi = plan.packed_intervals()
         if q.rows is None and k.rows is None:
             return AlignedLayout(q, k, alo, ahi, plan.groups)
         k_shift = k.starts - plan.cu_seqlens_k[:-1].long()

@@ -34,7 +34,7 @@ def _presets() -> dict[str, str]:
         "gemma3-global": "the demo step, Gemma 3 global layer (no window, spans on)",
         TINY: "8 queries after 4 cached keys, a 5-token image, window 4, clamp",
     }
-    names.update({k: f"DESIGN.md scenario: {s.what}" for k, s in scenarios().items()})
+    names.update({k: f"standard scenario: {s.what}" for k, s in scenarios().items()})
     return names
 
 

@@ -36,7 +36,7 @@ def demo_batch() -> Batch:
 
 
 # Gemma 4: sliding layers clamp spans to the window, global layers ignore them; Gemma 3's global
-# layers (and vLLM's default) turn them on.
+# layers turn them on (and vLLM's Gemma 3 its sliding layers too: docs/design.md section 2).
 LAYERS = {
     "sliding": LayerMask(window=WINDOW, spans="clamp"),
     "global": LayerMask(spans="off"),
@@ -80,7 +80,7 @@ def _skip_reason(name: str, mod, q, p: Plan, asked: bool) -> str | None:
 
 
 def check_layer(label: str, p: Plan, q, k, v, names, asked: bool, reps: int, log) -> list[Result]:
-    """Run each backend on one plan and apply DESIGN.md's rule:
+    """Run each backend on one plan and apply the rule of docs/design.md section 4:
     ``err <= 2 * err(same-dtype reference vs fp64) + 1e-4``; NaN never passes."""
     truth = Truth(q, k, v, p)
     results = []
@@ -140,11 +140,11 @@ def mode_plans(batch: Batch, window: int) -> dict[str, tuple[Plan, str]]:
     return {
         "clamp": (
             plan(batch, layer("clamp")),
-            "Gemma 4 sliding: image both ways, but never more than W-1 back",
+            "Gemma 4 sliding, transformers' Gemma 3 sliding: image both ways, never more than W-1 back",
         ),
         "on": (
             plan(batch, layer("on")),
-            "Gemma 3 / vLLM: image queries see their whole image, even beyond W",
+            "vLLM's Gemma 3 sliding: image queries see their whole image, even beyond W",
         ),
         "off": (plan(batch, layer("off")), "spans ignored: image tokens never see later image tokens"),
         "on+drop-wide": (
@@ -175,7 +175,7 @@ def mode_report(batch: Batch, window: int) -> str:
         f"  global layer (no window): off {off_g.allowed_pairs():,} pairs (Gemma 4), "
         f"on {on_g.allowed_pairs():,}"
     )
-    out.append(f"    (Gemma 3; +{gain:,}: image queries also see the later tokens of their image)")
+    out.append(f"    (Gemma 3, spans on; +{gain:,}: image queries also see the later tokens of their image)")
     return "\n".join(out)
 
 

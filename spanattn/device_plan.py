@@ -49,7 +49,12 @@ class DevicePlan:
     lo, hi: int32 ``[max_tokens]`` (``(0, -1)``, empty, on padding rows and rejected sequences).
     cu_seqlens_q, cu_seqlens_k: int32 ``[max_seqs + 1]``; seq_lens: int32 ``[max_seqs]`` keys per
     sequence (0 for padding and rejected sequences). errors: the planner's rule table.
-    tables: backend tables rebuilt at every update (``prepare_table``).
+    tables: backend tables rebuilt at every update (``_prepare_table``).
+
+    Users read the fields above and pass the plan to :func:`spanattn.attention`; ``slot_mapping``
+    gives a step's cache slots. The other methods (``cached``, ``host_layout``,
+    ``query_seq_ids``, ``with_keys``) and ``op_meta`` / ``op_tables`` serve the backends and the
+    torch ops.
     """
 
     layer: LayerMask
@@ -61,7 +66,7 @@ class DevicePlan:
     seq_lens: torch.Tensor
     errors: torch.Tensor | None = None
     tables: dict = field(default_factory=dict, repr=False)
-    facts: dict = field(default_factory=dict, repr=False)  # call facts that hold for every step
+    _facts: dict = field(default_factory=dict, repr=False)  # call facts that hold for every step
     _builders: dict = field(default_factory=dict, repr=False)
     batch = None  # no host-side batch: lengths are known on the device only
     groups = None  # span groups are planned on the host only (device_planner.py refuses them)
@@ -102,7 +107,7 @@ class DevicePlan:
         table = self.tables.get(key)
         return build() if table is None else table
 
-    def prepare_table(self, key, build: Callable) -> None:
+    def _prepare_table(self, key, build: Callable) -> None:
         """Keep ``build(out)``'s table under ``key``, rebuilt into the same tensors (``out``, the
         table built first with ``out=None``) at every planner update."""
         if key not in self.tables:
@@ -110,7 +115,8 @@ class DevicePlan:
             self._builders[key] = build
             self._encode()
 
-    def refresh(self) -> None:
+    def _refresh(self) -> None:
+        """Rebuild every prepared table into its tensors (the planner, after an update)."""
         for key, build in self._builders.items():
             build(self.tables[key])
 
@@ -145,10 +151,10 @@ class DevicePlan:
         plan = object.__new__(DevicePlan)  # no __post_init__: its encoding reprs symbolic sizes
         plan.layer, plan.capacity, plan.lo, plan.hi = self.layer, self.capacity, self.lo, self.hi
         plan.cu_seqlens_q, plan.cu_seqlens_k, plan.seq_lens = self.cu_seqlens_q, cu_seqlens_k, self.seq_lens
-        plan.errors, plan.tables, plan.facts, plan._builders = (
+        plan.errors, plan.tables, plan._facts, plan._builders = (
             self.errors,
             self.tables,
-            self.facts,
+            self._facts,
             self._builders,
         )
         plan.op_meta, plan.op_tables = self.op_meta, self.op_tables
@@ -181,10 +187,10 @@ class DevicePlan:
         self.op_tables = tensors
 
     @classmethod
-    def from_op(cls, lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, tables, meta: str) -> DevicePlan:
+    def _from_op(cls, lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, tables, meta: str) -> DevicePlan:
         """The plan an op received as ``(tensors, op_meta)``, rebuilt around those tensors."""
         layer, capacity, specs, facts = _decode(meta)
-        plan = cls(layer, capacity, lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, facts=facts)
+        plan = cls(layer, capacity, lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, _facts=facts)
         at = 0
         for key, table_cls, static, names in specs:
             plan.tables[key] = table_cls(**dict(static), **dict(zip(names, tables[at : at + len(names)])))

@@ -128,7 +128,13 @@ class DevicePlanner:
             for plan in self.plans.values():
                 mod.prepare(plan, head_dim, dtype, group=group)
 
-    def update(self, q_lens, kv_lens, causal=None, spans=None) -> dict[str, DevicePlan]:
+    def update(
+        self,
+        q_lens: torch.Tensor,
+        kv_lens: torch.Tensor,
+        causal: torch.Tensor | None = None,
+        spans: torch.Tensor | None = None,
+    ) -> dict[str, DevicePlan]:
         """Plan a step from per-sequence tensors (int32 or int64, on any device; on the planner's
         device nothing synchronizes): ``q_lens, kv_lens [n]`` and ``causal [n]`` (bool or 0/1,
         default all causal) with ``n <= max_seqs`` (missing sequences are padding), ``spans
@@ -159,7 +165,7 @@ class DevicePlanner:
             lo, hi = compute_intervals(plan.layer, self._step, cap.max_tokens)
             plan.lo.copy_(lo)
             plan.hi.copy_(hi)
-            plan.refresh()
+            plan._refresh()
         return self.plans
 
     def _load(self, buf: torch.Tensor, value, name: str, pad: int) -> torch.Tensor | None:

@@ -6,7 +6,7 @@ lengths a guard).
 
 Saved for the backward: q, k, v, the output and its LSE, and the plan's handle; nothing
 O(q x kv). The backward runs the backend the forward ran (the same choice from the same call:
-``api.pick`` with ``grad="op"``), through its own ``backward`` (the triton kernels, the dense
+``dispatch.pick`` with ``grad="op"``), through its own ``backward`` (the triton kernels, the dense
 formulas of reference and sdpa). The LSE's own gradient (``attention_lse``) enters it as
 ``dlse``. The op without an LSE output recomputes the LSE in its backward (spanattn.attention
 calls the ``_lse`` op whenever its inputs require grad, so only direct op calls pay for it).
@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from . import api
+from .dispatch import pick
 from .plan import Plan
 
 # Host plans are not replayable, so neither is their backward (ops.py's _NOT_REPLAYABLE).
@@ -27,8 +27,8 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 
 
 def _backward_impl(dout, dlse, q, k, v, out, lse, handle, backend, scale, softcap):
-    plan = Plan.from_handle(handle)
-    mod = api.pick(q, plan, backend, {"softcap": softcap, "return_lse": True, "grad": "op"})
+    plan = Plan._from_handle(handle)
+    mod = pick(q, plan, backend, {"softcap": softcap, "return_lse": True, "grad": "op"})
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     dq, dk, dv = mod.backward(q, k, v, out, lse, dout, plan, scale=scale, softcap=softcap, dlse=dlse)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
@@ -50,13 +50,14 @@ def _live_plan(handle):
     """The plan behind a real (not traced) handle, so that the autograd graph keeps it alive until
     its backward; None while torch.compile traces (the caller keeps a compiled step's plan)."""
     if type(handle) is torch.Tensor and handle.device.type == "cpu":
-        return Plan.from_handle(handle)
+        return Plan._from_handle(handle)
     return None
 
 
-def register_autograd(op, with_lse: bool) -> None:
-    """Give a host-plan attention op (ops.py) its gradients with respect to q, k and v."""
-    from .ops import full_args
+def register_autograd(op, with_lse: bool, full_args, lse_op=None) -> None:
+    """Give a host-plan attention op (ops.py) its gradients with respect to q, k and v.
+    full_args: the op's arguments with its defaults (``ops.full_args``); lse_op: for an op
+    without an LSE output, the op that recomputes it (``attention_lse_host_plan``)."""
 
     def setup_context(ctx, inputs, output):
         q, k, v, lo, hi, *_, handle, _meta, backend, scale, softcap, _pages, _grad = full_args(inputs)
@@ -69,10 +70,8 @@ def register_autograd(op, with_lse: bool) -> None:
         q, k, v, lo, hi, handle, out, lse = ctx.saved_tensors
         backend, scale, softcap = ctx.options
         if lse is None:  # the op without an LSE output: recompute it (the same bits as its output)
-            from .ops import host_attention_lse_op
-
-            out, lse = host_attention_lse_op(q, k, v, lo, hi, None, None, None, [], None, handle, "", backend,
-                                             scale, softcap, "off", True)  # fmt: skip
+            out, lse = lse_op(q, k, v, lo, hi, None, None, None, [], None, handle, "", backend, scale,
+                              softcap, "off", True)  # fmt: skip
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = backward_op(dout, dlse, q, k, v, out, lse, handle, backend, scale, softcap)

@@ -1,4 +1,4 @@
-"""Span groups: the part of a step's mask beyond each query's interval (DESIGN.md section 1).
+"""Span groups: the part of a step's mask beyond each query's interval (docs/design.md section 2).
 
 A query inside a span of group ``g`` also sees every key inside the group's other spans; in
 ``clamp`` mode only keys within its past window. The interval ``[lo, hi]`` of intervals.py stays

@@ -1,4 +1,4 @@
-"""Isolation, the serving promise of DESIGN.md section 1, as a check: the output of a sequence
+"""Isolation, the serving promise of docs/design.md section 3, as a check: the output of a sequence
 depends only on its own q, k, v and its own cache slots. One sequence's NaN, +-Inf or huge values
 (or stale cache slots that no sequence owns) must not change any other sequence's output or LSE
 by a single bit, and the clean step must be finite.

@@ -44,7 +44,9 @@ def _check(out_a, lse_a, out_b, lse_b) -> None:
         raise ValueError(f"out_a, lse_a, out_b, lse_b must be on one device, got {sorted(map(str, devices))}")
 
 
-def merge_attention_states(out_a, lse_a, out_b, lse_b):
+def merge_attention_states(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine two partial attention results over disjoint key sets of the same queries.
 
     out_*: ``[tokens, heads, head_dim]`` (any float dtype, both the same);

@@ -13,7 +13,7 @@ the device-plan ones serve and are forward only (autograd reaching one raises).
     ``tables`` (e.g. triton's tile schedule), with ``plan_meta``, a string naming its layer
     kind, capacity and table layout: the op rebuilds the plan around the tensors it receives;
   * a host plan (spanattn.plan): ``lo, hi`` and ``handle``, a one-element CPU tensor naming the
-    plan (``Plan.from_handle``), through which the op reaches the rest: its lengths are host
+    plan (``Plan._from_handle``), through which the op reaches the rest: its lengths are host
     values that change every step, so as op constants they would recompile the graph each step,
     and rebuilt from tensors they would cost a device sync and a table build per layer; its
     offsets are views into one upload buffer at offsets that change with the batch, which
@@ -34,9 +34,11 @@ from typing import Optional
 
 import torch
 
-from . import api, cache, page_check
+from . import cache, page_check
 from .backends.dense import lse_dtype
 from .device_plan import DevicePlan
+from .dispatch import check_tensors, check_trainable, needs_grad, run
+from .grad import register_autograd
 from .plan import Plan
 
 Tensor = torch.Tensor
@@ -44,8 +46,8 @@ Tensor = torch.Tensor
 
 def _plan(lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, tables, handle, plan_meta):
     if handle is not None:
-        return Plan.from_handle(handle)
-    return DevicePlan.from_op(lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, tables, plan_meta)
+        return Plan._from_handle(handle)
+    return DevicePlan._from_op(lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, tables, plan_meta)
 
 
 def full_args(args) -> tuple:
@@ -58,8 +60,8 @@ def full_args(args) -> tuple:
 def _forward(args, return_lse: bool):
     q, k, v, *plan_tensors, block_table, handle, meta, backend, scale, softcap, pages, grad = full_args(args)
     plan = _plan(*plan_tensors, handle, meta)
-    out, lse = api.run(q, k, v, plan, block_table, backend, scale, softcap, return_lse, pages,
-                       "op" if grad else None)  # fmt: skip
+    out, lse = run(q, k, v, plan, block_table, backend, scale, softcap, return_lse, pages,
+                   "op" if grad else None)  # fmt: skip
     return out.contiguous(), None if lse is None else lse.contiguous()
 
 
@@ -98,9 +100,10 @@ def _fake_lse(q, v):
     return _fake_out(q, v), q.new_empty((q.shape[0], q.shape[1]), dtype=lse_dtype(q))
 
 
-def _attention_op(name: str, with_lse: bool, tags: tuple = (), trains: bool = False):
+def _attention_op(name: str, with_lse: bool, tags: tuple = (), trains: bool = False, lse_op=None):
     """The op ``spanattn::<name>``: ``out``, or ``(out, lse)``; with its gradients where it
-    ``trains`` (grad.py), else forward only."""
+    ``trains`` (grad.py; ``lse_op``: the op whose LSE an op without one recomputes for its
+    backward), else forward only."""
     returns = "(Tensor, Tensor)" if with_lse else "Tensor"
 
     def forward(*args):
@@ -113,9 +116,7 @@ def _attention_op(name: str, with_lse: bool, tags: tuple = (), trains: bool = Fa
     )  # fmt: skip
     op.register_fake(lambda q, k, v, *plan_and_options: (_fake_lse if with_lse else _fake_out)(q, v))
     if trains:
-        from .grad import register_autograd
-
-        register_autograd(op, with_lse)
+        register_autograd(op, with_lse, full_args, lse_op)
     else:
         op.register_autograd(_forward_only(name), setup_context=lambda ctx, inputs, output: None)
     return op
@@ -125,8 +126,10 @@ def _attention_op(name: str, with_lse: bool, tags: tuple = (), trains: bool = Fa
 # host plans (never recorded; they train).
 attention_op = _attention_op("attention", False)
 attention_lse_op = _attention_op("attention_lse", True)
-host_attention_op = _attention_op("attention_host_plan", False, _NOT_REPLAYABLE, trains=True)
 host_attention_lse_op = _attention_op("attention_lse_host_plan", True, _NOT_REPLAYABLE, trains=True)
+host_attention_op = _attention_op(
+    "attention_host_plan", False, _NOT_REPLAYABLE, trains=True, lse_op=host_attention_lse_op
+)
 
 
 @torch.library.custom_op("spanattn::write_kv_cache", mutates_args=("k_cache", "v_cache"))
@@ -144,10 +147,10 @@ def _(k, v, k_cache, v_cache, slot_mapping, check_slots):
 def attention_call(q, k, v, plan, block_table, backend, scale, softcap, return_lse, check_pages=True):
     """:func:`spanattn.attention` while torch.compile traces it: the checks that read only
     tensor shapes, then the op (the rest of the checks run inside it)."""
-    api.check_tensors(q, k, v, plan, block_table)
-    grad = api.needs_grad(q, k, v)
+    check_tensors(q, k, v, plan, block_table)
+    grad = needs_grad(q, k, v)
     if grad:  # refused here already (under torch.compile: while tracing), not at the op's first run
-        api.check_trainable(plan, block_table)
+        check_trainable(plan, block_table)
     how = page_check.mode(check_pages)  # a string in the op's schema: "deferred", "sync" or "off"
     host = isinstance(plan, Plan)
     if host:
@@ -165,7 +168,15 @@ def attention_call(q, k, v, plan, block_table, backend, scale, softcap, return_l
     return (host_attention_op if host else attention_op)(*args)
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, check_slots: bool | None = None) -> None:
+def write_kv_cache(
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    check_slots: bool | None = None,
+) -> None:
     """Write this step's ``k, v [tokens, Hkv, D]`` into ``k_cache, v_cache [num_blocks,
     block_size, Hkv, D]`` in place, row ``t`` at flat slot ``slot_mapping[t]``; negative slots are
     skipped (padding tokens, as in vLLM). Under torch.compile, the op ``spanattn::write_kv_cache``.

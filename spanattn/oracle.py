@@ -1,4 +1,4 @@
-"""DESIGN.md section 4's numerics rule, written once for the tests, the demo, the bench and
+"""docs/design.md section 4's numerics rule, written once for the tests, the demo, the bench and
 the GPU scripts: a result in dtype X passes when
 
     err(result vs fp64 truth) <= 2 * err(the reference computed in X vs fp64 truth) + 1e-4

@@ -170,13 +170,13 @@ def check(block_table, plan: Plan, num_blocks: int, block_size: int, how: str) -
     its entries): this runs on every attention call."""
     if how == "off" or plan.capacity is not None:
         return
-    seen = plan.facts.get("pages_checked")
+    seen = plan._facts.get("pages_checked")
     if seen and seen[0].holds(block_table, how, num_blocks):
         return
     if block_table.is_cuda and torch.cuda.is_current_stream_capturing():
         return  # neither a sync nor an event query is allowed while capturing
     if seen is None:
-        seen = plan.facts["pages_checked"] = []
+        seen = plan._facts["pages_checked"] = []
     for i, rec in enumerate(seen):
         if rec.holds(block_table, how, num_blocks):
             seen.insert(0, seen.pop(i))

@@ -30,8 +30,13 @@ class Plan:
     seq_lens: int32 ``[num_seqs]`` keys per sequence (``seqused_k`` for a paged cache).
     groups: the span groups' part of the mask (groups.py), None when the step has none (then the
         intervals are the whole mask).
-    handle: int64 ``[1]`` on the CPU naming this plan (``Plan.from_handle``): how the torch ops
+    handle: int64 ``[1]`` on the CPU naming this plan (``Plan._from_handle``): how the torch ops
         (ops.py) reach the plan's host-side facts and cached tables without a device sync.
+
+    Users read the fields above, ``total_q``, ``total_k``, ``num_seqs``, and ``describe()``,
+    ``to_dense(i)``, ``allowed_pairs()``, ``density()``. The other methods (``cached``,
+    ``columns``, ``packed_intervals``, ``query_seq_ids``, ``host_layout``, ``seq_slice``,
+    ``dense_rows``) serve the backends: tables derived from the plan, built once and cached on it.
     """
 
     batch: Batch
@@ -53,7 +58,7 @@ class Plan:
         _LIVE[serial] = self
 
     @staticmethod
-    def from_handle(handle: torch.Tensor) -> Plan:
+    def _from_handle(handle: torch.Tensor) -> Plan:
         """The live plan a ``handle`` names (the torch ops' way back to it)."""
         plan = _LIVE.get(int(handle[0]))
         if plan is None:
@@ -91,8 +96,8 @@ class Plan:
         return min(s.kv_len for s in self.batch.seqs)
 
     @cached_property
-    def facts(self) -> dict:
-        """What calls on the plan keep for later calls: api.py's checked call shapes, the triton
+    def _facts(self) -> dict:
+        """What calls on the plan keep for later calls: dispatch.py's checked call shapes, the triton
         backend's routes, the block table checked last (page_check.py)."""
         return {}
 
@@ -113,6 +118,19 @@ class Plan:
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
+
+    def packed_intervals(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``lo, hi`` moved into packed key coordinates (int32 ``[total_q]``), cached.
+
+        With these a mask over the packed batch is two compares, ``alo[q] <= kv <= ahi[q]``: every
+        interval lies inside its own sequence's keys, so no sequence-id check is needed.
+        """
+
+        def build():
+            offset = self.cu_seqlens_k[:-1][self.query_seq_ids()]
+            return (self.lo + offset).to(torch.int32), (self.hi + offset).to(torch.int32)
+
+        return self.cached("packed_intervals", build)
 
     def query_seq_ids(self) -> torch.Tensor:
         """int64 ``[total_q]``: the sequence of each packed query (cached)."""
@@ -150,9 +168,7 @@ class Plan:
         """Allowed (query, key) pairs of the step; FLOPs are ``4 * D * Hq`` times this."""
         pairs = int((self.hi.long() - self.lo.long() + 1).sum())
         if self.groups is not None:
-            from .tiles import packed_intervals
-
-            pairs += self.groups.extra_pairs(*packed_intervals(self))
+            pairs += self.groups.extra_pairs(*self.packed_intervals())
         return pairs
 
     def density(self) -> float:
@@ -188,7 +204,7 @@ class Plan:
         )
 
 
-def plan(batch: Batch, layer: LayerMask, device="cpu") -> Plan:
+def plan(batch: Batch, layer: LayerMask, device: str | torch.device = "cpu") -> Plan:
     """Compute the intervals and packing of one step for one kind of layer.
 
     >>> import spanattn as sa

@@ -1,5 +1,6 @@
-"""The standard steps of DESIGN.md section 5, shared by the benchmark, the demo and the tests so
-that every number compares with ANCHORS.md. ``scale`` shrinks token counts for CPU runs."""
+"""The standard steps (docs/design.md section 5), shared by the benchmarks, the demo and the
+tests so that every number is measured on the same steps. ``scale`` shrinks token counts for
+CPU runs."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class Scenario:
 
 
 def even_spans(n_tokens: int, n_spans: int, span_len: int) -> list[tuple[int, int]]:
-    """Span i starts at ``200 + i * ((n_tokens - 200) // n_spans)`` (DESIGN.md section 5)."""
+    """Span i starts at ``200 + i * ((n_tokens - 200) // n_spans)`` (docs/design.md section 5)."""
     step = (n_tokens - 200) // n_spans
     return [(200 + i * step, 200 + i * step + span_len - 1) for i in range(n_spans)]
 
@@ -88,7 +89,7 @@ def packed_samples(scale: int = 1, seed: int = 2, tokens: int = 32768, samples: 
 
 
 def training_scenarios(scale: int = 1) -> dict[str, Scenario]:
-    """The training steps of DESIGN.md section 6 (forward and backward): T0-T2 are S0-S2, T3 a
+    """The training steps of docs/design.md section 5 (forward and backward): T0-T2 are S0-S2, T3 a
     packed fine-tuning batch (``packed_samples``) under a clamped 1024-token window (T3) and a
     global layer with spans on (T3g), T5 is S5 (d512)."""
     s = scenarios(scale)

@@ -75,7 +75,9 @@ def _short(ph) -> str:
 GROUPINGS = ("per_run", "one_block")
 
 
-def spans_from_token_types(token_type_ids, vision_types: Sequence[int] = (1,), grouping: str = "per_run"):
+def spans_from_token_types(
+    token_type_ids: Sequence | torch.Tensor, vision_types: Sequence[int] = (1,), grouping: str = "per_run"
+) -> list:
     """Spans as maximal runs of vision tokens, like transformers' mask grouping.
 
     ``token_type_ids`` is 1-D (one sequence: a list of spans) or 2-D (a batch: a list of lists).

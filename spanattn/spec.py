@@ -23,9 +23,11 @@ class LayerMask:
 
     window: keys allowed on the past side, the query itself included (``q - k < window``);
         ``None`` means unlimited.
-    spans: how multimodal spans act: ``"off"`` ignores them, ``"on"`` is
-        ``(causal AND window) OR span`` (Gemma 3 / vLLM), ``"clamp"`` is
-        ``(causal OR span) AND past-window`` (Gemma 4 sliding layers).
+    spans: how multimodal spans act: ``"off"`` ignores them (Gemma 4's global layers), ``"on"``
+        is ``(causal AND window) OR span`` (vLLM's Gemma 3 on every layer, transformers' Gemma 3
+        on its global layers), ``"clamp"`` is ``(causal OR span) AND past-window`` (Gemma 4's
+        sliding layers, and transformers' Gemma 3 sliding layers). Gemma 3 in vLLM and in
+        transformers differ only for an image wider than the window (docs/design.md section 2).
     noncausal_window: the window of non-causal rows, ``"exclusive"`` keeps ``|q-k| < window``
         (vLLM, Gemma 3's bidirectional overlay), ``"inclusive"`` keeps ``|q-k| <= window``
         (transformers' ``sliding_window_bidirectional_overlay``).
@@ -59,7 +61,7 @@ class Seq:
         chunk); unsorted input is sorted, overlaps are an error. A span given as ``(start, end,
         group)`` belongs to span group ``group`` (an int >= 0, naming a group of this sequence
         only): a query inside any span of a group also sees every key inside the group's other
-        spans (several images or video frames that all see each other; DESIGN.md section 1).
+        spans (several images or video frames that all see each other; docs/design.md section 2).
     prompt_len: length of the whole request, when known; spans past ``kv_len`` but inside the
         prompt belong to later chunks and are ignored, except that a chunk must not end while a
         group it holds queries of has spans left. Defaults to ``kv_len``.

@@ -49,20 +49,6 @@ class TileTables:
         return int(self.kv_num_blocks.sum() + self.full_kv_num_blocks.sum())
 
 
-def packed_intervals(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lo, hi`` moved into packed key coordinates (int32 ``[total_q]``), cached on the plan.
-
-    With these a mask over the packed batch is two compares, ``alo[q] <= kv <= ahi[q]``: every
-    interval lies inside its own sequence's keys, so no sequence-id check is needed.
-    """
-
-    def build():
-        offset = plan.cu_seqlens_k[:-1][plan.query_seq_ids()]
-        return (plan.lo + offset).to(torch.int32), (plan.hi + offset).to(torch.int32)
-
-    return plan.cached("packed_intervals", build)
-
-
 def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Boolean block grid -> (count per row, indices: the set blocks first, both parts ascending)."""
     grid = blocks.to(torch.int32)
@@ -170,9 +156,9 @@ def tile_tables(plan: Plan, BLOCK_M: int = 128, BLOCK_N: int = 128, fused: bool 
             from .tiles_triton import fused_tile_tables
 
             packed, tables = fused_tile_tables(plan, BLOCK_M, BLOCK_N)
-            plan.cached("packed_intervals", lambda: packed)
+            plan.cached("packed_intervals", lambda: packed)  # what plan.packed_intervals() builds
             return TileTables(*tables, BLOCK_M, BLOCK_N, plan.total_q, plan.total_k)
-        alo, ahi = packed_intervals(plan)
+        alo, ahi = plan.packed_intervals()
         return build_tile_tables(alo, ahi, plan.total_k, BLOCK_M, BLOCK_N, plan.groups)
 
     return plan.cached(("tile_tables", BLOCK_M, BLOCK_N), build)

@@ -54,7 +54,7 @@ def call(p, q, k, v, **kw):
 
 
 def routes(p) -> int:
-    return sum(1 for key in p.facts if isinstance(key, tuple) and key[0] == "triton.call")
+    return sum(1 for key in p._facts if isinstance(key, tuple) and key[0] == "triton.call")
 
 
 @pytest.mark.parametrize("batch", [BATCH if DEV == "cpu" else GPU_BATCH, DECODE], ids=["prefill", "decode"])

@@ -27,3 +27,31 @@ def test_paged_engine(compile_backend, capsys):
     out = capsys.readouterr().out
     assert steps >= 8 and worst <= 1e-5
     assert "decode" in out and "r2:24" in out  # prefill chunks and decode rows both ran
+
+
+def test_paged_engine_gives_an_image_wider_than_the_budget_a_step_of_its_own(capsys):
+    engine = _load("paged_engine")
+    steps, worst = engine.run("cpu", "reference", budget=16)
+    out = capsys.readouterr().out
+    assert worst <= 1e-5 and "[r0:40]" in out  # the 40-token image, alone in its step
+    for line in out.splitlines()[:steps]:
+        chunks = [c.split(":")[1] for c in line[line.index("[") + 1 : line.index("]")].split(", ")]
+        sizes = [1 if c == "decode" else int(c) for c in chunks]
+        assert sum(sizes) <= 16 or len(sizes) == 1, line
+
+
+def test_schedule_starves_no_request():
+    """Two decoding requests take 2 of a 16-token budget every step; a prompt whose first chunk is
+    a 15-token image must still run (it waited forever behind the decode rows)."""
+    engine = _load("paged_engine")
+    image = engine.Request(prompt_len=40, decode_tokens=1, placeholders=[(0, 15)])
+    chatty = [engine.Request(prompt_len=4, decode_tokens=50, done=4) for _ in range(2)]
+    requests = [*chatty, image]
+    for now in range(60):
+        step = engine.schedule(requests, 16, now)
+        assert step and sum(n for _, n in step) <= max(16, 15)
+        for i, n in step:
+            requests[i].done += n
+        if image.done >= image.prompt_len:
+            break
+    assert image.done >= image.prompt_len and now <= 5

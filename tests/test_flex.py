@@ -1,4 +1,4 @@
-"""The flex backend on CPU against the fp64 reference, by the tolerance rule of DESIGN.md:
+"""The flex backend on CPU against the fp64 reference, by the rule of docs/design.md section 4:
 ``err(flex vs fp64) <= 2 * err(same-dtype reference vs fp64) + 1e-4``, NaN never passes.
 
 flex allocates its own output, so there is nothing to poison; a NaN or an unwritten row shows

@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 
+import spanattn.backends.triton as tb
 from spanattn.backends.triton import gluon_check
 
 
@@ -51,4 +52,4 @@ def test_a_failing_variant_warns_once_and_falls_back(failure):
 def test_the_real_check_passes_on_hopper(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        assert gluon_check.self_check(name, torch.device("cuda"))
+        assert gluon_check.self_check(name, torch.device("cuda"), tb)

@@ -1,4 +1,4 @@
-"""Gradients through spanattn.attention's autograd paths (api.py, grad.py, ops.py): torch's
+"""Gradients through spanattn.attention's autograd paths (api.py, dispatch.py, grad.py, ops.py): torch's
 autograd through a dense backend's forward (eager), and the torch op's own backward
 (``spanattn::attention_backward``: torch.compile, and eager calls of the kernel backends),
 which must agree; gradcheck in float64; torch.compile(fullgraph=True) forward and backward;

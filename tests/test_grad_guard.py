@@ -42,7 +42,7 @@ def test_an_output_has_a_gradient_or_the_call_raises(backend):
 
 def test_a_refusal_names_a_backend_that_trains_the_call():
     q, k, v = _inputs()
-    name = sa.api.auto_choice(q, PLAN, grad="eager")
+    name = sa.auto_choice(q, PLAN, grad="eager")
     assert backends.load(name).no_backward(q, PLAN) is None
     out = sa.attention(q, k, v, PLAN, backend=name)
     assert out.grad_fn is not None

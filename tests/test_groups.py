@@ -1,4 +1,4 @@
-"""Span groups against a brute-force per-pair predicate written here from DESIGN.md section 1,
+"""Span groups against a brute-force per-pair predicate written here from docs/design.md section 2,
 independently of spanattn/intervals.py and spanattn/groups.py; the chunking rule; group-free
 plans unchanged."""
 
@@ -14,7 +14,7 @@ import spanattn as sa
 from spanattn.aligned import aligned_layout, aligned_tile_tables
 from spanattn.backends import reference
 from spanattn.scenarios import group_check_step
-from spanattn.tiles import packed_intervals, tile_tables
+from spanattn.tiles import tile_tables
 
 
 def allowed(q, k, seq, layer):
@@ -97,7 +97,7 @@ def test_groups_are_per_sequence():
 def test_allowed_pairs_count_group_keys_once():
     p = sa.plan(sa.Batch([sa.Seq(12, spans=[(1, 3, 0), (8, 10, 0)])]), sa.LayerMask())
     assert p.allowed_pairs() == int(p.to_dense(0).sum())
-    alo, ahi = packed_intervals(p)
+    alo, ahi = p.packed_intervals()
     assert p.allowed_pairs() > int((ahi - alo + 1).sum())
 
 

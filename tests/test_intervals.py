@@ -1,5 +1,5 @@
-"""The interval form against a brute-force per-pair predicate written here from DESIGN.md
-section 1, independently of spanattn/intervals.py."""
+"""The interval form against a brute-force per-pair predicate written here from
+docs/design.md section 2, independently of spanattn/intervals.py."""
 
 import torch
 from hypothesis import given, settings
@@ -10,7 +10,7 @@ import spanattn as sa
 
 
 def allowed(q, k, kv_len, causal, spans, window, mode, noncausal_window):
-    """DESIGN.md's predicate, pair by pair."""
+    """The predicate of docs/design.md section 2, pair by pair."""
     if not 0 <= k < kv_len:
         return False
     past = window is None or q - k < window

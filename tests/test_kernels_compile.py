@@ -1,7 +1,7 @@
 """Every prefill kernel variant that configs.pick hands out compiles for sm_90 (H100/H200) on
 any machine, with triton's own ptxas, fits the shared memory one block may use there and keeps
 its wgmma asynchronous (no serialization, no waits ptxas had to inject). So a kernel edit made
-without a GPU is still held to what the GPU needs. benchmarks/compile_stats.py runs in a
+without a GPU is still held to what the GPU needs. tools/kernel_lab/compile_stats.py runs in a
 subprocess: the interpreter the other tests run under cannot compile for a GPU."""
 
 import json
@@ -29,7 +29,7 @@ def reports():
         pytest.skip("no ptxas for sm_90 with this triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    script = ROOT / "benchmarks" / "compile_stats.py"
+    script = ROOT / "tools" / "kernel_lab" / "compile_stats.py"
     run = subprocess.run(
         [sys.executable, str(script), "--shipped"], capture_output=True, text=True, env=env, timeout=900
     )

@@ -257,7 +257,7 @@ def test_alternating_good_and_bad_tables_raise_for_every_bad_one():
     p, q, kc, vc, bt = _step()
     run = lambda table: sa.attention(q, kc, vc, p, block_table=table, backend="reference")
     assert missed_bad_tables(run, bt, kc.shape[0], 100) == []
-    assert len(p.facts["pages_checked"]) <= page_check.REMEMBERED
+    assert len(p._facts["pages_checked"]) <= page_check.REMEMBERED
 
 
 def test_a_plan_remembers_a_few_tables():
@@ -266,7 +266,7 @@ def test_a_plan_remembers_a_few_tables():
     for i in range(200):
         bt[0, 3] = i  # a column sequence 0 never reads: a new version and new entries, still good
         page_check.check(bt, p, kc.shape[0], 16, "deferred")
-    assert len(p.facts["pages_checked"]) == page_check.REMEMBERED
+    assert len(p._facts["pages_checked"]) == page_check.REMEMBERED
     assert not any("pages_checked" in str(key) for key in p._cache)
 
 
@@ -368,7 +368,7 @@ def test_alternating_good_and_bad_cuda_tables_raise_for_every_bad_one():
     p, q, kc, vc, bt = _step(DECODE, device="cuda")
     run = lambda table: sa.attention(q, kc, vc, p, block_table=table)
     assert missed_bad_tables(run, bt, kc.shape[0], 300) == []
-    assert len(p.facts["pages_checked"]) <= page_check.REMEMBERED
+    assert len(p._facts["pages_checked"]) <= page_check.REMEMBERED
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the deferred check of a CUDA table")

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from strategies import batches, layers
 
 import spanattn as sa
-from spanattn.tiles import build_tile_tables, packed_intervals, tile_tables
+from spanattn.tiles import build_tile_tables, tile_tables
 
 
 def packed_dense(plan: sa.Plan) -> torch.Tensor:
@@ -86,7 +86,7 @@ def test_tables_equal_create_block_mask():
         [sa.Seq(q_len=300, kv_len=700, spans=[(410, 611)]), sa.Seq(5), sa.Seq(260, causal=False)]
     )
     plan = sa.plan(batch, sa.LayerMask(window=100, spans="clamp"))
-    alo, ahi = packed_intervals(plan)
+    alo, ahi = plan.packed_intervals()
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx >= alo[q_idx]) & (kv_idx <= ahi[q_idx])
@@ -111,7 +111,7 @@ def test_tables_are_cached_and_skip_empty_blocks():
 
 def test_packed_intervals_stay_in_their_sequence():
     plan = sa.plan(sa.Batch([sa.Seq(7, kv_len=20), sa.Seq(3, causal=False)]), sa.LayerMask())
-    alo, ahi = packed_intervals(plan)
+    alo, ahi = plan.packed_intervals()
     assert alo.tolist() == [0] * 7 + [20] * 3
     assert ahi.tolist() == list(range(13, 20)) + [22] * 3
 
@@ -138,5 +138,5 @@ def test_fused_triton_tables_equal_torch(batch, layer, bm, bn):
     want, got = tile_tables(plan_torch, bm, bn, fused=False), tile_tables(plan_fused, bm, bn, fused=True)
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
         assert torch.equal(getattr(want, name), getattr(got, name)), name
-    for a, b in zip(packed_intervals(plan_torch), packed_intervals(plan_fused)):
+    for a, b in zip(plan_torch.packed_intervals(), plan_fused.packed_intervals()):
         assert torch.equal(a, b)

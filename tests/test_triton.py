@@ -1,4 +1,4 @@
-"""The triton prefill kernel against fp64 truth (DESIGN.md section 4), under TRITON_INTERPRET=1
+"""The triton prefill kernel against fp64 truth (docs/design.md section 4), under TRITON_INTERPRET=1
 when there is no GPU. Outputs are poisoned with NaN first, so an unwritten row fails. The
 interpreter is slow: shapes are small and tiles are 16 x 16 (configs.INTERPRETER_CONFIG), so
 short sequences still cross many tile edges."""

@@ -30,7 +30,7 @@ case "${1:-}" in
   test)
     setup
     shift
-    "$PY" -m ruff check spanattn tests benchmarks examples
+    "$PY" -m ruff check spanattn tests benchmarks examples tools
     # exit 5 = no tests collected: a broken collection must not pass silently
     exec "$PY" -m pytest "$@"
     ;;

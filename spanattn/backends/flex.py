@@ -49,7 +49,7 @@ def unavailable(q, plan, **opts) -> str | None:
         return f"flex backend runs on cuda or cpu, not {q.device.type}"
     d = q.shape[-1]
     if q.is_cuda and d > 256:
-        # head_dim 512 needs more shared memory than Hopper has (ANCHORS.md, S5)
+        # head_dim 512 needs more shared memory than Hopper has (docs/design.md section 10, S5)
         return f"compiled FlexAttention does not fit head_dim {d} > 256 in shared memory"
     if d < 16 or d & (d - 1):
         return f"FlexAttention needs a power-of-two head_dim >= 16, got {d}"

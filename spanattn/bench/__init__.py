@@ -1,8 +1,9 @@
-"""``spanattn bench``: the DESIGN.md scenarios on this machine for every available backend and
-the peers users would run instead (FlexAttention with ``create_block_mask``, SDPA flash causal,
-FA4's built-in causal/window when ``flash_attn.cute`` imports).
+"""``spanattn bench``: the standard scenarios (docs/design.md section 5) on this machine for
+every available backend and the peers users would run instead (FlexAttention with
+``create_block_mask``, SDPA flash causal, FA4's built-in causal/window when ``flash_attn.cute``
+imports).
 
-Every item is checked against the fp64 reference before it is timed (DESIGN.md's tolerance rule,
+Every item is checked against the fp64 reference before it is timed (docs/design.md section 4's rule,
 memory poisoned with NaN first); the reference of a 32k step is too heavy, so the check runs
 on the same scenario scaled down (``--check-scale``, default 8: ``scenarios(scale=8)``).
 Without a GPU it runs small versions (``--scale 16``, float32) and says so.
@@ -148,7 +149,7 @@ def main(args: argparse.Namespace) -> int:
     if not on_gpu:
         print(
             f"NOTE: no CUDA device: running SMALL versions (token counts / {scale}, {str(dtype)[6:]}, "
-            "flex eager); CPU times, not comparable with ANCHORS.md",
+            "flex eager); CPU times, not comparable with GPU numbers",
             flush=True,
         )
     print(

@@ -1,5 +1,5 @@
-"""Case names of the benchmark scripts that time or inspect one kernel step at a time
-(ab_trees.py, deal_balance.py, profile_kernels.py): ``SCENARIO-HEAD_DIM[-pPAGE]``."""
+"""Case names of the scripts that time or inspect one kernel step at a time (tools/kernel_lab/:
+ab_trees.py, deal_balance.py, profile_kernels.py): ``SCENARIO-HEAD_DIM[-pPAGE]``."""
 
 from __future__ import annotations
 

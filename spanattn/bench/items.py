@@ -17,7 +17,6 @@ import torch
 
 import spanattn as sa
 from spanattn import backends
-from spanattn.tiles import packed_intervals
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,7 @@ def _interval_mask_mod(plan):
     from spanattn.backends.flex import mask_mod
 
     g = plan.groups
-    return mask_mod(*packed_intervals(plan), *(() if g is None else (g.q_group, g.k_group, g.clamp)))
+    return mask_mod(*plan.packed_intervals(), *(() if g is None else (g.q_group, g.k_group, g.clamp)))
 
 
 @functools.cache

@@ -61,8 +61,8 @@ def turns_ms(fns: dict, device, calls: int, first: int = 0) -> dict[str, list[fl
     kernel) came out at 1.000 / 1.001 of FA4's call in turns, 1.001 / 1.017 in blocks (d128 /
     d256; twins of one call on S2 still differed by 0.5-1.2% in either). The price: a call then
     runs at a clock its neighbours set too, and the H200 clocks kernels differently
-    (benchmarks/clocks.py), so a kernel the GPU clocks lower when it runs alone gains here (FA4's
-    sparse call with its query tiles dealt longest first: +2% in turns, -1% in blocks and back
+    (tools/kernel_lab/clocks.py), so a kernel the GPU clocks lower when it runs alone gains here
+    (FA4's sparse call with its query tiles dealt longest first: +2% in turns, -1% in blocks and back
     to back: results/2026-12-04-fa4-chunk-order-h200.json). CUDA: events around each call, L2
     flushed before it (as ``do_bench`` does); the queue is never drained between calls. CPU: wall
     clock around each call. Call every ``fn`` once before (compilation, caches)."""

@@ -27,7 +27,7 @@ policy for (named in the error).
 from __future__ import annotations
 
 from .attention import attention_forward
-from .families import FAMILIES, disable, enable, family_of, register
+from .families import FAMILIES, disable, enable, family_of
 from .options import NAME
 from .step import StepMask, step_mask
 
@@ -42,5 +42,15 @@ __all__ = [
     "register",
     "step_mask",
 ]
+
+
+def register() -> None:
+    """Register ``attn_implementation="spanattn"`` with transformers (idempotent; done at import).
+    Here, above the modules it registers: families.py, which step.py imports, must not import them."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, step_mask)
+
 
 register()

@@ -106,17 +106,6 @@ def stack_configs(model_class: type, config) -> list:
     )
 
 
-def register() -> None:
-    """Register ``attn_implementation="spanattn"`` with transformers (idempotent; done at import)."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-
-    from .attention import attention_forward
-    from .step import step_mask
-
-    AttentionInterface.register(NAME, attention_forward)
-    AttentionMaskInterface.register(NAME, step_mask)
-
-
 def enable(model, *, backend: str = "auto", allow_split_spans: bool = False):
     """Run ``model``'s text attention through spanattn; vision and audio towers keep theirs.
 
@@ -124,8 +113,9 @@ def enable(model, *, backend: str = "auto", allow_split_spans: bool = False):
     allow_split_spans: a forward whose last key falls inside an image proceeds with the image
         cut there (transformers' behaviour) instead of raising.
     Calling it again replaces the options; :func:`disable` undoes it. Returns the model.
+    (``attn_implementation="spanattn"`` is registered when spanattn.hf is imported, which
+    importing this module does first.)
     """
-    register()
     configs = stack_configs(type(model), model.config)
     disable(model)
     # The model's own config too, without its towers: some code hands it to the mask interface

@@ -10,12 +10,14 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import sys
 import weakref
 
 import torch
 
 from .columns import INFO
 from .configs import Config, padded_head_dim, pick, pick_gluon
+from .group_tensors import gluon_group_args, group_args
 from .scales import kernel_scales
 from .schedule_triton import tile_schedule
 from .tma_layout import rebased, tma_form, token_major
@@ -155,7 +157,8 @@ def gluon_runs_on(device, name: str = "kernel_gluon") -> bool:
     if setting != "check" and _gluon_module("gluon_parts").checked_triton():
         return True
     index = torch.device(device).index
-    return gluon_check.passes(name, torch.cuda.current_device() if index is None else index)
+    index = torch.cuda.current_device() if index is None else index
+    return gluon_check.passes(name, index, sys.modules[__name__])  # the check runs this package
 
 
 @functools.cache
@@ -206,7 +209,7 @@ def prepare(plan, head_dim: int, dtype: torch.dtype = torch.bfloat16, group: int
             return
         cfg = pick(head_dim, dtype, kmod.INTERPRETED, plan.layer.window, tma=False)
         bm, bn = cfg.block_m, cfg.block_n
-        plan.prepare_table(
+        plan._prepare_table(
             ("triton.tiles", bm, bn, True), lambda out: build_device_schedule(plan, bm, bn, True, out)
         )
         return
@@ -283,11 +286,11 @@ def forward(
     key = call_shape(q, k, v, out, block_table, page_size, softcap, return_lse, config, lpt, kernel)
     if key is None:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    run = plan.facts.get(key) if key is not None and plan.capacity is None else None
+    run = plan._facts.get(key) if key is not None and plan.capacity is None else None
     if run is None:
         run = _route(q, k, v, plan, softcap, return_lse, out, config, lpt, block_table, page_size, kernel)
         if key is not None and plan.capacity is None:
-            plan.facts[key] = run
+            plan._facts[key] = run
     return run(q, k, v, out, block_table, scale, softcap)
 
 
@@ -422,34 +425,6 @@ def _int32_rows(block_table):
     if block_table is None or (block_table.dtype == torch.int32 and block_table.stride(1) == 1):
         return block_table
     return block_table.to(torch.int32).contiguous()
-
-
-def group_args(plan, block_n: int) -> tuple:
-    """The kernels' span group tensors (groups.py): query groups, key groups, and where each
-    group's tile runs are (``tile_runs`` for ``block_n``-key tiles, cached on the plan). A plan
-    without groups passes its ``lo`` four times: the kernel compiled with ``GROUPS=False`` never
-    reads them."""
-    g = plan.groups
-    if g is None:
-        return (plan.lo,) * 4
-    from ...groups import tile_runs
-
-    runs, index = plan.cached(
-        ("triton.group_runs", block_n), lambda: tile_runs(g, plan.cu_seqlens_k, block_n)
-    )
-    return g.q_group, g.k_group, index, runs
-
-
-def gluon_group_args(plan, sched) -> tuple | None:
-    """The Gluon kernels' span group tensors (group_walk.py) for ``sched`` (the plan's schedule,
-    which carries its group walk): query groups, key groups, key tile groups (cached on the plan)
-    and the walk; None for a plan without groups."""
-    g = plan.groups
-    if g is None:
-        return None
-    from .key_tile_groups_triton import plan_key_tile_groups
-
-    return g.q_group, g.k_group, plan_key_tile_groups(plan, sched.block_n), sched.walk
 
 
 __all__ = ["Config", "backward", "forward", "no_backward", "prepare", "unavailable"]

@@ -28,7 +28,7 @@ class Config:
     persistent: bool = True
 
 
-# Hopper (H200) choices from benchmarks/gpu_triton.py's sweep (benchmarks/results/
+# Hopper (H200) choices from tools/kernel_lab/gpu_triton.py's sweep (benchmarks/results/
 # 2026-11-29-triton-h200.json): the Q tile and num_stages K+V tiles must fit 227 KB of shared
 # memory, the fp32 accumulator BLOCK_M x HEAD_DIM the registers of num_warps warps. d256 and d512
 # run faster with one KV loop (+10%): three separately pipelined loops cost more than the
@@ -94,7 +94,7 @@ INTERPRETER_CONFIG = Config(16, 16, 4, 1)
 # each) while it walks block_m-query tiles; the dQ kernel holds a query tile's Q, dO and fp32 dQ
 # while it walks block_n-key tiles. dv_split: programs sharing a tile, each owning 1/dv_split of
 # the output columns (recomputing the scores and dO V^T at full width, as the forward's d512).
-# Chosen by ptxas's report for sm_90 alone (benchmarks/compile_stats_backward.py, triton 3.9,
+# Chosen by ptxas's report for sm_90 alone (tools/kernel_lab/compile_stats_backward.py, triton 3.9,
 # bf16; registers per thread in the comments, without span groups / with groups in clamp mode
 # and a softcap): no spills but d256's dQ with groups and a softcap (20 B), Hopper's wgmma where
 # 64 rows a warpgroup fit. NOT YET RUN OR TIMED ON A GPU: guesses until then. Rejected for

@@ -9,6 +9,10 @@ against the fp64 truth
 (spanattn.oracle). If every variant compiles and passes, the module runs from then on; if one
 fails, one warning says why and the plain Triton kernel runs instead. Once per module, device and
 process: about a second of compiling per variant, on the first step only.
+
+The check runs the backend's own routing (``forward``, ``uses_gluon``), which asks this module
+whether a Gluon kernel may run: the backend package passes itself in (``backend``) rather than
+being imported from here.
 """
 
 from __future__ import annotations
@@ -41,12 +45,11 @@ def _variants(head_dims):
                     yield d, sa.Batch(batch), layer, page
 
 
-def _one(d, batch, layer, page, device) -> str | None:
-    """Why this variant fails, or None."""
+def _one(backend, d, batch, layer, page, device) -> str | None:
+    """Why this variant fails, or None, run through ``backend`` (the triton backend package)."""
     import spanattn as sa
     from spanattn.oracle import Truth
 
-    from . import forward
     from .configs import pick_gluon
 
     p = sa.plan(batch, layer, device=device)
@@ -55,25 +58,25 @@ def _one(d, batch, layer, page, device) -> str | None:
                for n, h in ((p.total_q, 4), (p.total_k, 2), (p.total_k, 2)))  # fmt: skip
     opts = dict(scale=d**-0.5, return_lse=True, out=torch.full_like(q, float("nan")))
     if page is None:
-        from . import uses_gluon
-
-        if not uses_gluon(q, k, v, p, pick_gluon(d, q.dtype)):
+        if not backend.uses_gluon(q, k, v, p, pick_gluon(d, q.dtype)):
             return "the check step would not reach the Gluon kernel"
-        out, lse = forward(q, k, v, p, **opts)
+        out, lse = backend.forward(q, k, v, p, **opts)
     else:
         from spanattn.cache import to_paged
 
         kc, vc, table = to_paged(k, v, p, page, fill=float("nan"))
-        out, lse = forward(q, kc, vc, p, block_table=table, **opts)
+        out, lse = backend.forward(q, kc, vc, p, block_table=table, **opts)
     verdict = Truth(q, k, v, p, scale=d**-0.5).check(out, lse, rounding_slack=True)
     return None if verdict.ok else f"head_dim {d}, {layer}, page {page}: {verdict}"
 
 
-def self_check(name: str, device, run=_one) -> bool:
-    """Run Gluon module ``name`` on its check variants; warn once and return False on the first
-    failure (a wrong result or any exception, e.g. a Gluon API the installed triton lacks)."""
+def self_check(name: str, device, backend=None, run=None) -> bool:
+    """Run Gluon module ``name`` on its check variants through ``backend`` (``run(d, batch,
+    layer, page, device)`` instead, for tests); warn once and return False on the first failure
+    (a wrong result or any exception, e.g. a Gluon API the installed triton lacks)."""
     import triton
 
+    run = run or functools.partial(_one, backend)
     _RUNNING.add(name)
     try:
         for variant in _variants(HEAD_DIMS[name]):
@@ -96,6 +99,6 @@ def self_check(name: str, device, run=_one) -> bool:
 
 
 @functools.cache
-def passes(name: str, device_index: int) -> bool:
+def passes(name: str, device_index: int, backend) -> bool:
     """:func:`self_check` once per module and device."""
-    return self_check(name, torch.device("cuda", device_index))
+    return self_check(name, torch.device("cuda", device_index), backend)

@@ -14,7 +14,7 @@ d256 had gained 0.8% and the short walks lost 2-3%).
 
 The decision is per warp (16 rows) and only counts the item's own rows: rows past a sequence's
 end hold another sequence's queries, and letting them decide would make one request's values
-change when its neighbour's rescales happen, i.e. its rounding (DESIGN.md section 4's
+change when its neighbour's rescales happen, i.e. its rounding (docs/design.md section 3's
 isolation). Both consumers of the d512 kernel see the same scores, so they decide alike."""
 
 from __future__ import annotations

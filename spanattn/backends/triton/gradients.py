@@ -14,6 +14,7 @@ import torch
 from . import bwd_scores, kernel_dkdv, kernel_dq
 from .columns import INFO, KEY_INFO
 from .configs import Config, padded_head_dim, pick_backward
+from .group_tensors import group_args
 from .kernel import INTERPRETED
 from .key_schedule import key_schedule, query_group_args
 from .scales import kernel_scales
@@ -76,8 +77,6 @@ def backward(
         BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n, SPLIT=dkdv_cfg.dv_split, N_INFO=len(KEY_INFO),
         num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, **shared,
     )  # fmt: skip
-
-    from . import group_args  # the package imports this module: not at import time
 
     dq = q.new_empty(q.shape)
     tiles = tile_schedule(plan, dq_cfg.block_m, dq_cfg.block_n)

@@ -1,7 +1,7 @@
 """The forward kernel: packed varlen attention where query ``i`` sees keys ``[lo[i], hi[i]]``.
 
 One program = one query tile (``BLOCK_M`` consecutive queries of one sequence) x one query head.
-The tile's keys form one contiguous range ``[min lo, max hi]`` (DESIGN.md section 1), walked in
+The tile's keys form one contiguous range ``[min lo, max hi]`` (docs/design.md section 2), walked in
 three loops: PARTIAL tiles before the FULL range, FULL tiles inside ``[max lo, min hi]`` (no mask
 math, no bounds checks), PARTIAL tiles after it. For causal rows the first loop is empty and the
 last holds the diagonal; for sliding windows the first holds the window's trailing edge.

@@ -85,7 +85,8 @@ def _rescaled(acc, alpha, moved, LAZY: gl.constexpr):
     wait for the values of the P @ V it precedes, so that the multiplies run under the Q @ K^T
     issued before. ``alpha`` passes a volatile move first, which LLVM keeps behind the wait's
     asm: without it LLVM hoists the multiplies, pure arithmetic, ahead of the Q @ K^T (the PTX
-    shows it); with it the SASS has them between the two issues (compile_stats.py counts them)."""
+    shows it); with it the SASS has them between the two issues (tools/kernel_lab/compile_stats.py
+    counts them)."""
     alpha = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [alpha], dtype=gl.float32, is_pure=False,
                                       pack=1)  # fmt: skip
     if LAZY:

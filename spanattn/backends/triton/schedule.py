@@ -18,7 +18,7 @@ class TileSchedule:
     """``info``: int32 ``[num_tiles, len(INFO)]`` in launch order (heaviest first): the tile's
     first and last query rows (packed), its sequence's first key row and length, the sequence,
     and its key walk for ``block_n``-key tiles: ``[kv_start, kv_end)`` with the FULL tiles in
-    ``[full_start, full_end)`` (DESIGN.md section 1; the bounds are multiples of ``block_n``
+    ``[full_start, full_end)`` (docs/design.md section 2; the bounds are multiples of ``block_n``
     except ``kv_end``). ``tile_cost``: keys each tile walks (``max hi - min lo + 1``, widened to
     the keys of its rows' span groups). ``walk``: for a plan with span groups, int32
     ``[num_tiles, len(WALK)]`` in the same order, the Gluon kernels' walk outside each tile's
@@ -99,7 +99,7 @@ def build_schedule(plan, block_m: int, block_n: int, lpt: bool = True) -> TileSc
 
 def tile_columns(q_row0, q_row_last, cu_k, tile_seq, lo_min, lo_max, hi_min, hi_max, block_n):
     """``info`` (INFO's columns) and ``tile_cost`` of tiles from their rows and interval extremes
-    (int64 ``[tiles]`` each): the key walk of DESIGN.md section 1, in ``block_n``-key tiles."""
+    (int64 ``[tiles]`` each): the key walk of docs/design.md section 2, in ``block_n``-key tiles."""
     kv_end = hi_max + 1
     full_start = torch.minimum((lo_max + block_n - 1) // block_n * block_n, kv_end)
     cols = {

@@ -3,7 +3,7 @@ short_walks.py (and FA4's built-in kernel on the causal twin) calls its step bac
 about ``--seconds`` (no L2 flush, after half a second idle, the order rotating each round) while
 nvidia-smi samples ``clocks.sm`` and ``power.draw.instant`` every 20 ms.
 
-    python benchmarks/clocks.py --out results/ [--scenarios S2-128,S2-256] [--rounds 3] [--seconds 1]
+    python tools/kernel_lab/clocks.py --out results/ [--scenarios S2-128,S2-256] [--rounds 3] [--seconds 1]
 
 Why: these kernels run the H200 at its 700 W limit (715-731 W instantaneous on S2), and it does
 not give each the same clock: on S2 d128 FA4's sparse call settled at 1575 MHz and the same tiles
@@ -26,12 +26,15 @@ import pathlib
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from datetime import datetime
 
 import torch
-from short_walks import CASES, checked_contenders  # this folder
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+from short_walks import CASES, checked_contenders  # noqa: E402  benchmarks/short_walks.py's contenders
 
 from spanattn.bench.report import environment, result_path
 from spanattn.bench.timing import rotated

@@ -5,12 +5,12 @@ exponentials of each loop's softmax run under its P @ V (gluon_pv_wait.py). A ch
 before spending device time on a config: a config that spills or serializes its MMAs rarely
 wins the timing.
 
-    python benchmarks/compile_stats.py --d 128 --configs 128,64,4,2,1,1,1 128,128,8,3,0,1,1
-    python benchmarks/compile_stats.py --d 128 --paged 128 --configs 128,64,4,2,1,1,0
-    python benchmarks/compile_stats.py --d 128 --groups on --configs 128,128,8,3,0,1,1  # span groups
-    python benchmarks/compile_stats.py --d 256 --configs 128,64,8,2,1,1,1,1   # a Gluon kernel
-    python benchmarks/compile_stats.py --d 512 --paged 16 --configs 64,32,8,2,0,1,1,1  # over pages
-    python benchmarks/compile_stats.py --shipped   # every variant configs.pick(_gluon) hands out
+    python tools/kernel_lab/compile_stats.py --d 128 --configs 128,64,4,2,1,1,1 128,128,8,3,0,1,1
+    python tools/kernel_lab/compile_stats.py --d 128 --paged 128 --configs 128,64,4,2,1,1,0
+    python tools/kernel_lab/compile_stats.py --d 128 --groups on --configs 128,128,8,3,0,1,1  # span groups
+    python tools/kernel_lab/compile_stats.py --d 256 --configs 128,64,8,2,1,1,1,1   # a Gluon kernel
+    python tools/kernel_lab/compile_stats.py --d 512 --paged 16 --configs 64,32,8,2,0,1,1,1  # over pages
+    python tools/kernel_lab/compile_stats.py --shipped   # every variant configs.pick(_gluon) hands out
 
 A config is BLOCK_M,BLOCK_N,num_warps,num_stages,one_loop,dv_split,tma,gluon,persistent (configs.Config's
 order; trailing fields may be left out). With gluon set, the Gluon kernel for head_dim and

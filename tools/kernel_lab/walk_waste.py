@@ -9,7 +9,7 @@ walk if each walked only the tiles holding its own rows' keys, instead of its qu
 walk (FA4's two consumer warpgroups also walk their tile's whole range), and the efficiency
 wasted pairs alone would then give.
 
-    python benchmarks/walk_waste.py --out results/ [--cases S1-256,S3-256] [--scale 1]
+    python tools/kernel_lab/walk_waste.py --out results/ [--cases S1-256,S3-256] [--scale 1]
 
 A tile's pairs count whole: all its query rows (a sequence's last tile too) times all its keys.
 Writes ``<date>-walk-waste-<cpu>.json``.

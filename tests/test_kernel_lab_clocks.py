@@ -1,4 +1,4 @@
-"""benchmarks/clocks.py on CPU: nvidia-smi's samples parsed and windowed exactly, a bad case
+"""tools/kernel_lab/clocks.py on CPU: nvidia-smi's samples parsed and windowed exactly, a bad case
 named, and the run itself refused without a GPU."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 
 import pytest
-from bench_scripts import load_script
+from bench_scripts import LAB, load_script
 
 LINES = [
     "2026/12/04 18:40:01.000, 1980, 75.10",
@@ -19,8 +19,8 @@ LINES = [
 
 
 def _clocks():
-    load_script("short_walks")  # what clocks.py imports from its own folder
-    return load_script("clocks")
+    load_script("short_walks")  # what clocks.py imports from benchmarks/
+    return load_script("clocks", LAB)
 
 
 def test_samples_parsed_and_windowed():

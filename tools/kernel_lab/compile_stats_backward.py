@@ -3,10 +3,10 @@ needed) and print what ptxas reports per head_dim and config: registers per thre
 shared memory. compile_stats.py's filter for the forward, for the backward's tiles
 (configs.BACKWARD_CONFIGS): a config that spills rarely wins the timing.
 
-    python benchmarks/compile_stats_backward.py                     # every shipped config, bf16
-    python benchmarks/compile_stats_backward.py --dims 128 --groups clamp --softcap
-    python benchmarks/compile_stats_backward.py --fp32                              # fp32's tiles
-    python benchmarks/compile_stats_backward.py --dims 128 --dkdv 32,64,8,2 --dq 64,64,8,2
+    python tools/kernel_lab/compile_stats_backward.py                     # every shipped config, bf16
+    python tools/kernel_lab/compile_stats_backward.py --dims 128 --groups clamp --softcap
+    python tools/kernel_lab/compile_stats_backward.py --fp32                              # fp32's tiles
+    python tools/kernel_lab/compile_stats_backward.py --dims 128 --dkdv 32,64,8,2 --dq 64,64,8,2
 
 A config is BLOCK_M,BLOCK_N,num_warps,num_stages[,dv_split]; arguments are specialized as a real
 launch's (16-divisible pointers and strides, Hq 16 / Hkv 8).

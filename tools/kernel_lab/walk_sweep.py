@@ -1,7 +1,7 @@
 """What a work item costs apart from its key tiles: the triton backend and FA4's built-in kernel
 on steps whose items all walk the same number of keys, from a couple of key tiles to many.
 
-    python benchmarks/walk_sweep.py --out results/ [--keys 256,512,1024,2048,4096,8192] [--d 128,256]
+    python tools/kernel_lab/walk_sweep.py --out results/ [--keys 256,512,1024,2048,4096,8192] [--d 128,256]
 
 A step: bidirectional sequences (causal off) of ``min(1024, keys)`` queries over ``keys`` keys,
 as many as hold about the same number of pairs at every length (bf16, Hq 16 / Hkv 8, random

@@ -2,7 +2,7 @@
 the same standard steps (Nsight Compute): how busy the tensor cores are, how many instructions
 a step takes, how many SMs idle in the launch's tail, where warps wait.
 
-    python benchmarks/profile_kernels.py --out results/ [--cases triton:S3-256,fa4:S1-256]
+    python tools/kernel_lab/profile_kernels.py --out results/ [--cases triton:S3-256,fa4:S1-256]
 
 A case is ``who:SCENARIO-HEAD_DIM``: ``triton`` runs the scenario (bf16, Hq 16 / Hkv 8, random
 inputs) through the triton backend's forward, ``fa4`` FA4's built-in causal/window kernel on
@@ -189,7 +189,9 @@ def write_png(path: Path, rows: list[dict]) -> bool:
 def _call(who: str, sid: str, d: int):
     """(the call, its allowed pairs) for one case on the GPU."""
     import torch
-    from short_walks import _builtin, _causal_twin, _inputs  # this script's folder (sys.path[0])
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from short_walks import _builtin, _causal_twin, _inputs  # benchmarks/short_walks.py's steps
 
     import spanattn as sa
     from spanattn.bench.cases import named_scenarios

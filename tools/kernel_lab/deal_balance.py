@@ -8,7 +8,7 @@ jittered (each scaled by a uniform factor within ``--jitter``, the mean over ``-
 seeded draws), whole and as the launch deals it at d128 (gluon_halves.py: the last items as
 two halves of their walks, each half paying the per-item cost and ``--merge-cost`` more).
 
-    python benchmarks/deal_balance.py --out results/ [--sms 132] [--item-cost 2] [--l2-mb 50]
+    python tools/kernel_lab/deal_balance.py --out results/ [--sms 132] [--item-cost 2] [--l2-mb 50]
 
 A work item is (query tile, head); its cost in key tiles: those it walks plus ``--item-cost``
 for its Q load, first and last tiles and stores. A perfect split: the total over the programs,

@@ -1,7 +1,7 @@
 """Check and time the triton backend on one GPU in one call (kernel development; the general
 benchmark is ``spanattn bench``).
 
-    python benchmarks/gpu_triton.py --parts check,count,sweep,bench,peers --out results/
+    python tools/kernel_lab/gpu_triton.py --parts check,count,sweep,bench,peers --out results/
 
 Writes results/<date>-triton-<gpu>.json, after every part.
 

@@ -4,7 +4,7 @@ kernels cannot share one), the trees taking turns round by round, so that a slow
 the machine falls on all of them alike.
 
     git archive main spanattn | tar -x -C /tmp/main
-    python benchmarks/ab_trees.py --out results/ --trees main=/tmp/main new=. \\
+    python tools/kernel_lab/ab_trees.py --out results/ --trees main=/tmp/main new=. \\
         --cases S0-256,S1-128,S3-256 --rounds 3
 
 A tree is a folder holding a ``spanattn`` package. The trees' order rotates by one each round

@@ -1,4 +1,4 @@
-"""benchmarks/ab_trees.py's CPU-checkable parts: the per-case summary over rounds, and its
+"""tools/kernel_lab/ab_trees.py's CPU-checkable parts: the per-case summary over rounds, and its
 refusal of a run it cannot do (the timing itself needs CUDA)."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import sys
 
 import pytest
-from bench_scripts import load_script
+from bench_scripts import LAB, load_script
 
 
 def _script():
-    return load_script("ab_trees")
+    return load_script("ab_trees", LAB)
 
 
 def test_summary_medians_over_rounds_and_ratios_to_the_first_tree():

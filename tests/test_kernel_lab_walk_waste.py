@@ -1,4 +1,4 @@
-"""benchmarks/walk_waste.py: FA4's walked and allowed pairs on steps small enough to count by
+"""tools/kernel_lab/walk_waste.py: FA4's walked and allowed pairs on steps small enough to count by
 hand, ours on the causal step both kernels tile alike, and a run writing its JSON."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import json
 import sys
 
 import pytest
-from bench_scripts import load_script
+from bench_scripts import LAB, load_script
 
 import spanattn as sa
 
 
 @pytest.fixture(scope="module")
 def script():
-    return load_script("walk_waste")
+    return load_script("walk_waste", LAB)
 
 
 def test_fa4_walks_from_the_first_rows_first_key_to_the_last_rows_last(script):

@@ -1,9 +1,9 @@
-"""benchmarks/walk_sweep.py on the CPU: the sweep's steps."""
+"""tools/kernel_lab/walk_sweep.py on the CPU: the sweep's steps."""
 
 import pytest
-from bench_scripts import load_script
+from bench_scripts import LAB, load_script
 
-ws = load_script("walk_sweep")
+ws = load_script("walk_sweep", LAB)
 
 
 @pytest.mark.parametrize("keys", [256, 1024, 4096])

@@ -1,4 +1,4 @@
-"""benchmarks/profile_kernels.py's CPU-checkable parts: reading ncu's raw counter page, and its
+"""tools/kernel_lab/profile_kernels.py's CPU-checkable parts: reading ncu's raw counter page, and its
 refusal of cases it cannot profile (the profiling itself needs a GPU and ncu)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from bench_scripts import load_script
+from bench_scripts import LAB, load_script
 
 RAW = (
     '"Kernel Name","gpu__time_duration.sum","smsp__inst_executed.sum","smsp__pcsamp_sample_count",'
@@ -19,7 +19,7 @@ RAW = (
 
 
 def test_counters_are_read_per_kernel_with_stall_shares_largest_first():
-    (row,) = load_script("profile_kernels").summarize(RAW)
+    (row,) = load_script("profile_kernels", LAB).summarize(RAW)
     assert row["kernel"] == "attn_fwd_gluon"
     assert row["profiled_ms"] == 1.25 and row["instructions"] == 3625317  # us -> ms
     assert row["dram_read_gb"] == pytest.approx(0.5375)  # Mbyte -> Gbyte
@@ -48,7 +48,7 @@ PAGE = (
 
 
 def test_source_page_samples_are_summed_per_kernel_by_instruction_kind():
-    ours, theirs = load_script("profile_kernels").summarize_source(PAGE, top=2)
+    ours, theirs = load_script("profile_kernels", LAB).summarize_source(PAGE, top=2)
     assert ours["samples"] == 1000
     assert ours["by_kind"] == {
         "HGMMA.64x64x16": 0.5,
@@ -67,7 +67,7 @@ def test_source_page_samples_are_summed_per_kernel_by_instruction_kind():
 
 
 def test_case_names_are_checked_before_anything_runs(monkeypatch, tmp_path):
-    script = load_script("profile_kernels")
+    script = load_script("profile_kernels", LAB)
     assert script.parse_case("fa4:S1-256") == ("fa4", "S1", 256)
     for bad in ("flex:S1-256", "triton:S9-128", "triton:S1", "S1-256", "triton:S1-256-p16"):
         with pytest.raises(ValueError, match="--cases"):
@@ -89,7 +89,7 @@ def test_source_ledger_lands_in_each_case_of_the_json(monkeypatch, tmp_path):
 
     import spanattn.bench.report as report
 
-    script = load_script("profile_kernels")
+    script = load_script("profile_kernels", LAB)
     one_kernel_page = PAGE.split('"Kernel Name","flash_fwd"')[0]
     timed = [{"case": "triton:S1-256", "event_ms": 1.3, "allowed_pairs": 10}]
 

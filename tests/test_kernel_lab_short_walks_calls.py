@@ -1,4 +1,4 @@
-"""benchmarks/short_walks_calls.py on hand-made calls: each call's verdict names exactly the
+"""tools/kernel_lab/short_walks_calls.py on hand-made calls: each call's verdict names exactly the
 steps that miss a target, the best contender is any that has an efficiency, and the script runs
 end to end on JSON files."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from bench_scripts import load_script
+from bench_scripts import LAB, load_script
 
 TARGETS = {"triton": 0.95, "best": 1.0}
 
@@ -27,7 +27,7 @@ def _call(rows, date="2026-12-06T05:00:00+00:00"):
 
 
 def test_verdict_names_the_steps_that_miss_each_target():
-    mod = load_script("short_walks_calls")
+    mod = load_script("short_walks_calls", LAB)
     call = _call([
         _row("S0", 128, triton=0.998, fa4=1.003),  # best met by fa4
         _row("S2", 128, triton=0.991, fa4=0.987),  # best missed
@@ -45,7 +45,7 @@ def test_verdict_names_the_steps_that_miss_each_target():
 
 
 def test_best_counts_every_launch_and_a_step_without_efficiency_misses():
-    mod = load_script("short_walks_calls")
+    mod = load_script("short_walks_calls", LAB)
     row = _row("S0", 128, triton=0.99, per_item=1.02, fa4=1.0)
     assert mod.best(row) == ("triton, one program per item", 1.02)
     bare = {"scenario": "S4", "d": 128, "contenders": {"triton": {"ms": 0.4, "tflops": 600.0}}}
@@ -54,7 +54,7 @@ def test_best_counts_every_launch_and_a_step_without_efficiency_misses():
 
 
 def test_end_to_end_on_two_calls(tmp_path, capsys):
-    mod = load_script("short_walks_calls")
+    mod = load_script("short_walks_calls", LAB)
     paths = []
     for i, (eff, rate) in enumerate([(1.01, 455.0), (0.99, 451.0)]):
         p = tmp_path / f"call{i}.json"

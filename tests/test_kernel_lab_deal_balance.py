@@ -1,4 +1,4 @@
-"""benchmarks/deal_balance.py: the greedy deal on hand-made items, the launch's order of items in
+"""tools/kernel_lab/deal_balance.py: the greedy deal on hand-made items, the launch's order of items in
 KV-head sections, the items' costs on a step small enough to count by hand, and a run writing
 its JSON."""
 
@@ -9,12 +9,12 @@ import sys
 
 import pytest
 import torch
-from bench_scripts import load_script
+from bench_scripts import LAB, load_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    return load_script("deal_balance")
+    return load_script("deal_balance", LAB)
 
 
 def test_greedy_gives_each_item_to_the_program_free_first(script):

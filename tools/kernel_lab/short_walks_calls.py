@@ -3,7 +3,7 @@ the best contender's, and which of the short-walk targets each call meets. A rat
 from one call to the next on unchanged kernels (the GPU's clock and the pairing of blocks), so a
 target near 1.0 is read over calls, not from one. No GPU needed: it reads committed JSONs.
 
-    python benchmarks/short_walks_calls.py results/A.json results/B.json results/C.json --out results/
+    python tools/kernel_lab/short_walks_calls.py results/A.json results/B.json results/C.json --out results/
 
 Prints a line per step and the targets' verdict per call; writes ``<first JSON's stem>-calls.png``
 (efficiency per step, a marker per call and contender; S5 in TFLOP/s beside it).
