@@ -96,7 +96,7 @@ class StaticStep:
                 "runs in eager forwards and generate() (a compiled decode step holds no group); under "
                 "torch.compile spanattn plans on the device, which does not plan span groups"
             )
-        return [[r[0], s + r[2], e + r[2]] for seq, r in zip(batch.seqs, rows) for s, e in seq.spans]
+        return [[r.row, s + r.k0, e + r.k0] for seq, r in zip(batch.seqs, rows) for s, e in seq.spans]
 
     def last(self, n: int) -> StaticStep:
         """The step of each row's last ``n`` queries (Gemma 4 runs its KV-shared layers on the
