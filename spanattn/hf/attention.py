@@ -11,6 +11,7 @@ import spanattn as sa
 
 from . import static
 from .options import NAME, options_of
+from .packing import check_flash_kwargs
 from .step import StepMask
 
 # Attention classes whose model calls them without a mask when nothing is padded, meaning every
@@ -20,8 +21,9 @@ UNMASKED_CANVASES = ("DiffusionGemmaDecoderTextAttention",)
 
 def _pack(x: torch.Tensor, ranges: list[tuple[int, int, int]]) -> torch.Tensor:
     """``[B, H, S, D]`` to varlen ``[tokens, H, D]``: batch row ``row``'s indices ``[a, b)`` for
-    each ``(row, a, b)`` in order. Ranges that tile every row (no padding) are a reshape, one range
-    of a one-row batch a strided view: no copy (backends take any token and head strides)."""
+    each ``(row, a, b)`` in order. Ranges that tile every row (no padding: one sequence per row, or
+    a packed row's samples) are a reshape, one range of a one-row batch a strided view: no copy
+    (backends take any token and head strides)."""
     b, h, s, d = x.shape
     if b == 1 and len(ranges) == 1:
         _, a, z = ranges[0]
@@ -62,6 +64,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     plan, rows = step.plan(sq, sk, query.device)
     if plan is None:  # only padding queries: their output is zero
         return query.new_zeros(b, sq, query.shape[1], value.shape[3]), None
+    check_flash_kwargs(step, rows, b * sq, kwargs)
     q = _pack(query, [(r.row, r.q0, r.q1) for r in rows])
     k, v = (_pack(x, [(r.row, r.k0, r.k1) for r in rows]) for x in (key, value))
     o = sa.attention(

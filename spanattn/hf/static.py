@@ -53,6 +53,11 @@ class StaticStep:
         """The static step of a :class:`~spanattn.hf.StepMask`: a few small kernels, and for a
         decode step nothing copied between host and device."""
         batch, _, sq, sk = mask.shape
+        if mask.rule.samples is not None:  # one sequence per row here; a packed row holds several
+            raise NotImplementedError(
+                "spanattn.hf: a packed row (position ids restarting per sample) runs in eager forwards; "
+                "under torch.compile spanattn plans one sequence per row"
+            )
         device = torch.device(device)
         i32 = dict(dtype=torch.int32, device=device)
         end = mask._kv_end

@@ -99,6 +99,7 @@ class StepMask:
         self.shape = (batch, 1, q_length, self.kv_length)
         self._static = torch.is_tensor(kv_end)  # a StaticCache: its later steps read this one's keys
         self.plans, self._real, self._spans, self._batches = {}, None, None, {}
+        self.flash_checked: set = set()  # (keyword, id) of flash keywords held to this step's rows
         # what a compiled forward reads (step_mask builds it), or why it could not be built
         self.static: StaticStep | None = None
         self.static_error: Exception | None = None
@@ -167,9 +168,23 @@ class StepMask:
 
     def pieces(self) -> list[tuple[int, int, int]]:
         """``(row, first, stop)``: the positions ``[first, stop)`` of each spanattn sequence, in
-        order: a row's real tokens."""
+        order: a row's real tokens, or, in a packed row (:attr:`MaskRule.samples`), each sample."""
         real = self.real_tokens()
-        return [(row, first, stop) for row, (first, stop) in enumerate(real)]
+        if self.rule.samples is None:
+            return [(row, first, stop) for row, (first, stop) in enumerate(real)]
+        if self.kv_end != self.shape[2] or self.kv_offset:  # transformers packs only without a cache
+            raise NotImplementedError("spanattn.hf: a packed row (samples) in a step after cached tokens")
+        ids = self.rule.samples.expand(self.shape[0], -1)[:, : self.kv_end]
+        change = torch.nn.functional.pad(ids[:, 1:] != ids[:, :-1], (1, 0), value=True)
+        starts = change.nonzero().tolist()  # one device-to-host copy: (row, first position)
+        pieces = []
+        for i, (row, first) in enumerate(starts):
+            nxt = starts[i + 1] if i + 1 < len(starts) else None
+            stop = nxt[1] if nxt is not None and nxt[0] == row else self.kv_end
+            lo, hi = max(first, real[row][0]), min(stop, real[row][1])
+            if lo < hi:
+                pieces.append((row, lo, hi))
+        return pieces
 
     def _sequences(self, sq: int):
         end = self.kv_end
