@@ -2,9 +2,11 @@
 left-padded two-row inputs with images wider than the sliding window (W=8, 16 tokens each).
 
 ``build(name)`` gives an fp32 eager model; ``inputs(name)`` a batch whose row 0 is unpadded and
-row 1 left-padded; ``row(name, kw, 0)`` row 0 alone; ``rel`` the error the tests bound; importing
-``one_thread`` runs a test module on one CPU thread. Families whose tower is cheap get pixel
-values; the others mark image tokens by their token types only (all the mask needs).
+row 1 left-padded; ``right_padded`` moves the padding to the right; ``row(name, kw, 0)`` row 0
+alone; ``rel`` the error the tests bound; importing ``one_thread`` runs a test module on one CPU
+thread. Families whose tower is cheap get pixel values; the others mark image tokens by their token
+types only (all the mask needs). Training: ``loss`` (each family's objective), ``gradients`` and
+``gradient_error``.
 """
 
 from __future__ import annotations
@@ -197,11 +199,11 @@ def _layout(name: str) -> list[list[int]]:
     return [first, [0] * 20 + [2, 20] + img + [21, 22]]
 
 
-def _images_in(tokens: list[int]) -> int:
+def images_in(tokens: list[int]) -> int:
     return sum(1 for i, t in enumerate(tokens) if t == IMG and (i == 0 or tokens[i - 1] != IMG))
 
 
-def _images(name: str, count: int) -> dict:
+def images(name: str, count: int) -> dict:
     if name in ("gemma3", "paligemma", "paligemma2"):
         return {"pixel_values": torch.randn(count, 3, 16, 16)}
     if name in ("gemma4", "diffusion_gemma"):
@@ -231,14 +233,27 @@ def inputs(name: str, pixels: bool = True) -> dict:
     if name == "pi0":
         kw.update(state=torch.randn(2, PI0["state"]), noise=torch.randn(2, PI0["chunk"], PI0["state"]))
     if pixels:
-        kw.update(_images(name, sum(map(_images_in, rows))))
+        kw.update(images(name, sum(map(images_in, rows))))
     return kw
+
+
+def right_padded(name: str, kw: dict, keep_left: int = 0) -> dict:
+    """``kw`` with each row's padding moved to its end, but ``keep_left`` tokens of it (rows
+    ``1..1 0..0``, or ``0..0 1..1 0..0``: what a training collator gives); images unchanged."""
+    out = dict(kw)
+    for b, real in enumerate(kw["attention_mask"].bool()):
+        shift = max(int((~real).sum()) - keep_left, 0)
+        for key in ("input_ids", "attention_mask", FAMILIES[name][1]):
+            if key in kw:
+                out[key] = out[key].clone()
+                out[key][b] = kw[key][b].roll(-shift)
+    return out
 
 
 def row(name: str, kw: dict, b: int) -> dict:
     """Row ``b`` alone and unpadded, its images only."""
     real = kw["attention_mask"][b].bool()
-    counts = list(map(_images_in, _layout(name)))
+    counts = list(map(images_in, _layout(name)))
     first = sum(counts[:b])
     out = {}
     for k, v in kw.items():
@@ -256,3 +271,52 @@ def cache_kwarg(model) -> str:
     import inspect
 
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def loss(name: str, model, kw: dict) -> torch.Tensor:
+    """The family's training objective on ``kw``: next-token cross-entropy with labels -100 on
+    padding for the language models; PI0's flow-matching loss on its actions; DiffusionGemma's
+    canvas cross-entropy (the clean canvas from a noised one, over the encoded prompt) plus its
+    encoder's next-token loss (``encoder_last_hidden_state``, which transformers returns for it)."""
+    real = kw["attention_mask"].bool()
+    # a label counts the logits one position before it: none of a padding position (whose output
+    # transformers' eager attention leaves undefined and spanattn zero) enters the loss
+    before = torch.nn.functional.pad(real, (1, 0), value=True)[:, :-1]
+    labels = kw["input_ids"].masked_fill(~(real & before), -100)
+    if name == "pi0":
+        actions = torch.randn(real.shape[0], PI0["chunk"], PI0["state"], generator=_seed(5))
+        return model(**kw, actions=actions, timestep=torch.linspace(0.3, 0.7, real.shape[0])).loss
+    if name != "diffusion_gemma":
+        return model(**kw, labels=labels).loss
+    clean = torch.randint(0, 64, (real.shape[0], CANVAS), generator=_seed(3))
+    noised = torch.where(torch.rand(clean.shape, generator=_seed(4)) < 0.5, clean, 1)
+    canvas = torch.nn.functional.pad(kw["attention_mask"], (0, CANVAS), value=1)
+    out = model(**kw, decoder_input_ids=noised, decoder_attention_mask=canvas)
+    encoder_logits = model.lm_head(out.encoder_last_hidden_state)
+    ce = torch.nn.functional.cross_entropy
+    return ce(out.logits.flatten(0, 1), clean.flatten()) + ce(
+        encoder_logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
+    )
+
+
+def _seed(n: int) -> torch.Generator:
+    return torch.Generator().manual_seed(n)
+
+
+def gradients(name: str, model, kw: dict) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient of :func:`loss` in train mode."""
+    model.train()
+    model.zero_grad()
+    loss(name, model, kw).backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def gradient_error(want: dict, got: dict) -> tuple[float, str]:
+    """The worst ``(error, parameter)``: each gradient's error relative to its own scale, or to a
+    thousandth of the model's largest where the gradient is rounding noise around zero (a key
+    projection's bias: softmax ignores it). Asserts that no parameter lost its gradient."""
+    missing = sorted(n for n, g in want.items() if g is not None and got[n] is None)
+    assert not missing, f"no gradient through spanattn for {missing}"
+    floor = 1e-3 * max(g.abs().max() for g in want.values() if g is not None)
+    scale = lambda g: max(g.abs().max(), floor)
+    return max((((got[n] - g).abs().max() / scale(g)).item(), n) for n, g in want.items() if g is not None)

@@ -1,11 +1,13 @@
-"""benchmarks/hf_families.py, hf_compiled.py and gpu_tensor_parallel.py end to end at toy sizes
-on CPU: every timed row checked against transformers' own attention, JSON (and PNG) written."""
+"""benchmarks/hf_families.py, hf_compiled.py, hf_training.py and gpu_tensor_parallel.py end to end
+at toy sizes on CPU: every timed row checked against transformers' own attention, JSON (and PNG)
+written."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 from bench_scripts import load_script
 
 pytest.importorskip("transformers")
@@ -67,3 +69,28 @@ def test_tensor_parallel_tiny(tmp_path, capsys):
     assert data["exactness"]["Gemma 3"]["float32"]["ok"] and not data["failed"]
     rows = {(r["ranks"], r["impl"]): r["status"] for r in data["results"]}
     assert rows == {(w, i): "ok" for w in (1, 2) for i in ("sdpa", "spanattn")}
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning", "ignore::UserWarning")
+def test_hf_training_tiny(tmp_path, capsys):
+    """One training step of Gemma 3 under each attention, and a packed batch against the same
+    samples padded: spanattn's loss and gradient equal SDPA's, packed or not."""
+    load_script("hf_families")  # what the script imports from its folder
+    script = load_script("hf_training")
+    argv = ["--tiny", "--out", str(tmp_path), "--families", "gemma3", "--sizes", "64", "--samples", "2"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: a second thread spinning beside other jobs costs 5x
+    try:
+        assert script.main(argv + ["--warmup", "0", "--repeats", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert "packed spanattn" in capsys.readouterr().out
+    (path,) = tmp_path.glob("*-hf-training-cpu.json")
+    data = json.loads(path.read_text())["families"]["Gemma 3"]
+    rows = {r["impl"]: r for r in data["results"]}
+    assert rows["spanattn"]["status"] == rows["sdpa"]["status"] == rows["eager"]["status"] == "ok"
+    assert rows["spanattn"]["loss_rel_vs_sdpa"] < 1e-5 and rows["spanattn"]["grad_rel_vs_sdpa"] < 1e-4
+    assert rows["flex_attention"]["status"] == "unsupported"  # no FlexAttention backward on CPU
+    packed = next(r for r in data["packing"] if r["layout"] == "packed")
+    assert packed["status"] == "ok" and packed["loss_rel_vs_padded_sdpa"] < 1e-5
+    assert packed["row_tokens"] == packed["real_tokens"] < data["packing"][0]["row_tokens"]

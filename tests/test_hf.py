@@ -1,6 +1,6 @@
 """spanattn.hf's entry points and rules on tiny random models (tests/hf_models.py): the one-line
 ``attn_implementation="spanattn"`` with towers left on SDPA, enable/disable, static caches, one
-plan per layer kind, the Triton path, and what is refused (right padding, prepared 4D masks, a
+plan per layer kind, the Triton path, and what is refused (inner padding, prepared 4D masks, a
 chunk cutting an image, families and configs spanattn does not serve)."""
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ def test_small_gemma4_is_plain_causal():
 def test_errors(models):
     name, _, ours = models
     kw = hm.inputs(name, pixels=False)
-    kw["attention_mask"] = kw["attention_mask"].flip(1)  # right padding
-    with pytest.raises(ValueError, match="left padding"):
+    kw["attention_mask"][0, 5] = 0  # inner padding (test_hf_padding.py: right padding)
+    with pytest.raises(ValueError, match="attention_mask row 0 has padding between real tokens"):
         logits(ours, kw)
     ids = kw["input_ids"][:1]
     prepared = torch.zeros(1, 1, ids.shape[1], ids.shape[1])

@@ -130,8 +130,8 @@ def as_dense(mask, step_like: sahf.StepMask | None, q_len: int) -> torch.Tensor:
     batch, _, _, kv = step_like.shape
     out = torch.zeros(batch, q_len, kv, dtype=torch.bool)
     plan, rows = step_like.plan(q_len, kv, torch.device("cpu"))
-    for i, (row, q0, k0, k1) in enumerate(rows):
-        out[row, q0:, k0:k1] = plan.to_dense(i)
+    for i, r in enumerate(rows):
+        out[r.row, r.q0 : r.q1, r.k0 : r.k1] = plan.to_dense(i)
     return out
 
 

@@ -19,9 +19,13 @@ How it plugs in (transformers >= 5):
 
 Supported: forward passes, ``generate()`` with a DynamicCache or a StaticCache, transformers'
 compiled generation (torch.compile over a StaticCache: :mod:`spanattn.hf.static`), chunked
-prefill (token types of the whole prompt with each chunk), left padding (rows ``0..0 1..1``). Raised:
-right or inner padding, attention dropout, prepared 4D masks, masks spanattn has no
-policy for (named in the error).
+prefill (token types of the whole prompt with each chunk), left padding (rows ``0..0 1..1``), right
+padding (``1..1 0..0``, ``0..0 1..1 0..0``) in forwards without cache history (training, a prefill
+from position 0), training (gradients through every backend), padding-free packed rows (position ids
+restarting per sample: one spanattn sequence per sample, its images from its own token types:
+:mod:`spanattn.hf.packing`). Raised: padding between real tokens,
+right padding where a cache is read or filled, attention dropout, prepared 4D masks, masks spanattn
+has no policy for (named in the error).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import spanattn as sa
 
 from . import static
 from .options import NAME, options_of
+from .packing import check_flash_kwargs
 from .step import StepMask
 
 # Attention classes whose model calls them without a mask when nothing is padded, meaning every
@@ -18,16 +19,18 @@ from .step import StepMask
 UNMASKED_CANVASES = ("DiffusionGemmaDecoderTextAttention",)
 
 
-def _pack(x: torch.Tensor, rows, dense: bool, col: int) -> torch.Tensor:
-    """``[B, H, S, D]`` to varlen ``[tokens, H, D]``: row ``r[0]`` from index ``r[col]`` up to
-    ``r[col + 1]`` (or to the end) for each planned row ``r``."""
+def _pack(x: torch.Tensor, ranges: list[tuple[int, int, int]]) -> torch.Tensor:
+    """``[B, H, S, D]`` to varlen ``[tokens, H, D]``: batch row ``row``'s indices ``[a, b)`` for
+    each ``(row, a, b)`` in order. Ranges that tile every row (no padding: one sequence per row, or
+    a packed row's samples) are a reshape, one range of a one-row batch a strided view: no copy
+    (backends take any token and head strides)."""
     b, h, s, d = x.shape
-    end = lambda r: r[col + 1] if col + 1 < len(r) else s
-    if b == 1 and len(rows) == 1:  # a strided view, no copy: backends take any token/head strides
-        return x[0, :, rows[0][col] : end(rows[0])].transpose(0, 1)
-    if dense:
+    if b == 1 and len(ranges) == 1:
+        _, a, z = ranges[0]
+        return x[0, :, a:z].transpose(0, 1)
+    if sum(z - a for _, a, z in ranges) == b * s:
         return x.transpose(1, 2).reshape(b * s, h, d)
-    return torch.cat([x[r[0], :, r[col] : end(r)].transpose(0, 1) for r in rows])
+    return torch.cat([x[row, :, a:z].transpose(0, 1) for row, a, z in ranges])
 
 
 def _not_ours(module, query, key, value, attention_mask, **kwargs):
@@ -61,18 +64,16 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     plan, rows = step.plan(sq, sk, query.device)
     if plan is None:  # only padding queries: their output is zero
         return query.new_zeros(b, sq, query.shape[1], value.shape[3]), None
-    every_row = len(rows) == b
-    dense_q = every_row and all(q0 == 0 for _, q0, _, _ in rows)
-    dense_k = every_row and all(k0 == 0 and k1 == sk for _, _, k0, k1 in rows)
-    q = _pack(query, [r[:2] for r in rows], dense_q, 1)
-    k, v = (_pack(x, rows, dense_k, 2) for x in (key, value))
+    check_flash_kwargs(step, rows, b * sq, kwargs)
+    q = _pack(query, [(r.row, r.q0, r.q1) for r in rows])
+    k, v = (_pack(x, [(r.row, r.k0, r.k1) for r in rows]) for x in (key, value))
     o = sa.attention(
         q, k, v, plan, backend=step.options.backend, scale=scaling, softcap=kwargs.get("softcap")
     )
-    if dense_q:
+    if o.shape[0] == b * sq:  # every query planned, in order
         return o.view(b, sq, *o.shape[1:]), None
     out, start = query.new_zeros(b, sq, *o.shape[1:]), 0
-    for (row, q0, _, _), seq in zip(rows, plan.batch.seqs):
-        out[row, q0:] = o[start : start + seq.q_len]
-        start += seq.q_len
+    for r in rows:
+        out[r.row, r.q0 : r.q1] = o[start : start + r.q1 - r.q0]
+        start += r.q1 - r.q0
     return out, None

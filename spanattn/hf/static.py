@@ -53,6 +53,11 @@ class StaticStep:
         """The static step of a :class:`~spanattn.hf.StepMask`: a few small kernels, and for a
         decode step nothing copied between host and device."""
         batch, _, sq, sk = mask.shape
+        if mask.rule.samples is not None:  # one sequence per row here; a packed row holds several
+            raise NotImplementedError(
+                "spanattn.hf: a packed row (position ids restarting per sample) runs in eager forwards; "
+                "under torch.compile spanattn plans one sequence per row"
+            )
         device = torch.device(device)
         i32 = dict(dtype=torch.int32, device=device)
         end = mask._kv_end
@@ -96,7 +101,7 @@ class StaticStep:
                 "runs in eager forwards and generate() (a compiled decode step holds no group); under "
                 "torch.compile spanattn plans on the device, which does not plan span groups"
             )
-        return [[r[0], s + r[2], e + r[2]] for seq, r in zip(batch.seqs, rows) for s, e in seq.spans]
+        return [[r.row, s + r.k0, e + r.k0] for seq, r in zip(batch.seqs, rows) for s, e in seq.spans]
 
     def last(self, n: int) -> StaticStep:
         """The step of each row's last ``n`` queries (Gemma 4 runs its KV-shared layers on the

@@ -17,6 +17,8 @@ cache's own layout, planned on the device when the mask is built, outside the co
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 import spanattn as sa
@@ -25,6 +27,47 @@ from .families import family_of
 from .mask_functions import MaskRule, block_spans, is_bidirectional, read_mask_function
 from .options import Options, options_of
 from .static import StaticStep
+
+
+class Row(NamedTuple):
+    """Where one planned sequence sits in transformers' ``[B, H, S, D]`` tensors: batch row
+    ``row``, queries ``q0..q1-1`` and keys ``k0..k1-1`` (indices into the step's query and key
+    tensors)."""
+
+    row: int
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+
+
+def _real_runs(padding, end: int, cache: bool) -> list[tuple[int, int]]:
+    """``[first, stop)`` of each row's ones in ``padding[:, :end]`` (positions past the 2D mask are
+    padding, as in transformers); see :meth:`StepMask.real_tokens` for what is refused."""
+    pad = padding[:, :end].bool()
+    if pad.shape[1] < end:
+        pad = torch.nn.functional.pad(pad, (0, end - pad.shape[1]))
+    count = pad.sum(1)
+    first = pad.int().argmax(1)
+    stop = end - pad.flip(1).int().argmax(1)
+    runs = torch.stack([torch.where(count > 0, first, end), torch.where(count > 0, stop, end), count], 1)
+    rows = runs.tolist()  # one device-to-host copy
+    for row, (a, b, n) in enumerate(rows):
+        if b - a != n:
+            raise ValueError(
+                f"spanattn.hf: attention_mask row {row} has padding between real tokens (positions "
+                f"{a}..{b - 1} hold {n} real tokens: inner padding, or tokens after a right-padded prompt). "
+                "Rows must be 0..0 1..1 (left padding, what generate() expects), or, in a forward without "
+                "cache history (training, a prefill from position 0), 1..1 0..0 (right padding)"
+            )
+        if cache and n and b < end:
+            raise ValueError(
+                f"spanattn.hf: attention_mask row {row} is right-padded (real tokens end at {b}, the step at "
+                f"{end}) in a step that reads or fills a cache; right padding is taken only in forwards "
+                "without cache history into a DynamicCache or none (training, a prefill from position "
+                "0): pad on the left to generate (tokenizer.padding_side='left')"
+            )
+    return [(a, b) for a, b, _ in rows]
 
 
 class StepMask:
@@ -54,7 +97,9 @@ class StepMask:
         # plan needs it (one copy), so a compiled step never waits for the device.
         self._kv_end = kv_end if torch.is_tensor(kv_end) else int(kv_end)
         self.shape = (batch, 1, q_length, self.kv_length)
-        self.plans, self._pads, self._spans, self._batches = {}, None, None, {}
+        self._static = torch.is_tensor(kv_end)  # a StaticCache: its later steps read this one's keys
+        self.plans, self._real, self._spans, self._batches = {}, None, None, {}
+        self.flash_checked: set = set()  # (keyword, id) of flash keywords held to this step's rows
         # what a compiled forward reads (step_mask builds it), or why it could not be built
         self.static: StaticStep | None = None
         self.static_error: Exception | None = None
@@ -75,24 +120,21 @@ class StepMask:
             self._kv_end = end
         return self._kv_end
 
-    def left_pads(self) -> list[int]:
-        """Padding tokens at the start of each row; raises unless every row is ``0..0 1..1``."""
-        if self._pads is None:
+    def real_tokens(self) -> list[tuple[int, int]]:
+        """Each row's real tokens ``[first, stop)`` among positions ``0..kv_end-1``. Rows are
+        ``0..0 1..1`` (left padding), or, in a step without cache history (a training forward, a
+        prefill from position 0), also ``1..1 0..0`` and ``0..0 1..1 0..0``: right padding, what
+        training collators give. Raises on padding between real tokens, and on right padding
+        after cached tokens or into a StaticCache (the steps after it would read the padding)."""
+        if self._real is None:
             batch, end = self.shape[0], self.kv_end
             if self.padding is None:
-                self._pads = [0] * batch
+                self._real = [(0, end)] * batch
             else:
-                pad = self.padding[:, :end].bool()
-                if pad.shape[1] < end:  # like transformers: positions past the 2D mask are masked
-                    pad = torch.nn.functional.pad(pad, (0, end - pad.shape[1]))
-                if pad.shape[1] > 1 and not bool((pad[:, 1:].int() >= pad[:, :-1].int()).all()):
-                    raise ValueError(
-                        "spanattn.hf supports left padding only: every attention_mask row must be "
-                        "0..0 1..1 (tokenizer.padding_side='left', what generate() expects); got padding "
-                        "after a real token"
-                    )
-                self._pads = (end - pad.sum(1)).tolist()
-        return self._pads
+                # cached tokens before the queries, or a StaticCache's buffer (its keys beyond `end`)
+                cache = end > self.shape[2] or self._static or self.kv_length > end - self.kv_offset
+                self._real = _real_runs(self.padding, end, cache)
+        return self._real
 
     def spans(self, row: int) -> list[tuple[int, ...]]:
         """Absolute inclusive spans of batch row ``row``, ``(start, end, group)`` for the runs of a
@@ -105,7 +147,7 @@ class StepMask:
 
     def plan(self, sq: int, sk: int, device):
         """``(plan, rows)`` for queries ``[B, H, sq, D]`` over keys ``[B, H, sk, D]``; ``rows`` holds
-        ``(batch row, first real query, first and end key index)`` per planned sequence."""
+        a :class:`Row` per planned sequence."""
         if sk != self.kv_length:
             raise RuntimeError(f"keys ({sk}) do not match the mask's kv_length ({self.kv_length})")
         key = (sq, sk, device)
@@ -124,38 +166,44 @@ class StepMask:
             self._batches[sq] = self._sequences(sq)
         return self._batches[sq]
 
+    def pieces(self) -> list[tuple[int, int, int]]:
+        """``(row, first, stop)``: the positions ``[first, stop)`` of each spanattn sequence, in
+        order: a row's real tokens, or, in a packed row (:attr:`MaskRule.samples`), each sample."""
+        real = self.real_tokens()
+        if self.rule.samples is None:
+            return [(row, first, stop) for row, (first, stop) in enumerate(real)]
+        if self.kv_end != self.shape[2] or self.kv_offset:  # transformers packs only without a cache
+            raise NotImplementedError("spanattn.hf: a packed row (samples) in a step after cached tokens")
+        ids = self.rule.samples.expand(self.shape[0], -1)[:, : self.kv_end]
+        change = torch.nn.functional.pad(ids[:, 1:] != ids[:, :-1], (1, 0), value=True)
+        starts = change.nonzero().tolist()  # one device-to-host copy: (row, first position)
+        pieces = []
+        for i, (row, first) in enumerate(starts):
+            nxt = starts[i + 1] if i + 1 < len(starts) else None
+            stop = nxt[1] if nxt is not None and nxt[0] == row else self.kv_end
+            lo, hi = max(first, real[row][0]), min(stop, real[row][1])
+            if lo < hi:
+                pieces.append((row, lo, hi))
+        return pieces
+
     def _sequences(self, sq: int):
-        layer, end = self.rule.layer, self.kv_end
+        end = self.kv_end
         first_query = end - sq  # absolute position of query 0
         seqs, rows = [], []
-        for row, pads in enumerate(self.left_pads()):
-            base = max(pads, self.kv_offset)  # absolute position of this row's key 0
-            q0 = max(0, base - first_query)
-            if q0 >= sq:
-                continue  # only padding queries in this row: their output is zero
-            spans, row_spans = [], self.spans(row)
-            reach = {}  # the last position of each span group: its first span's queries are there too
-            for _, e, *group in row_spans:
-                if group:
-                    reach[group[0]] = max(e, reach.get(group[0], e))
-            for s, e, *group in row_spans:
-                last = reach[group[0]] if group else e  # the last query that sees this span's keys
-                if layer.spans == "on" and max(s, pads) < base and last >= first_query + q0:
-                    raise NotImplementedError(
-                        f"spanattn.hf: the cache dropped keys {max(s, pads)}..{base - 1} of the image at "
-                        f"{s}..{e} that queries of this step attend to (a sliding layer whose images ignore "
-                        "the window); prefill the whole image in one step"
-                    )
-                if e >= base:  # keys before `base` are padding or outside every query's window: clip
-                    spans.append((max(s, base) - base, e - base, *group))
-            kv_len = end - base
+        for row, first, stop in self.pieces():
+            base = max(first, self.kv_offset)  # absolute position of this piece's key 0
+            q0, q1 = max(0, base - first_query), stop - first_query
+            if q0 >= q1:
+                continue  # only padding queries (or cached keys) in this piece: their output is zero
+            spans = self._piece_spans(row, first, stop, base, first_query + q0)
+            kv_len = stop - base
             prompt_len = max([kv_len] + [sp[1] + 1 for sp in spans])
             seqs.append(
                 sa.Seq(
-                    q_len=sq - q0, kv_len=kv_len, spans=spans, causal=self.rule.causal, prompt_len=prompt_len
+                    q_len=q1 - q0, kv_len=kv_len, spans=spans, causal=self.rule.causal, prompt_len=prompt_len
                 )
             )
-            rows.append((row, q0, base - self.kv_offset, end - self.kv_offset))
+            rows.append(Row(row, q0, q1, base - self.kv_offset, stop - self.kv_offset))
         if not seqs:
             return None, rows
         try:
@@ -166,6 +214,34 @@ class StepMask:
                 "chunk end as transformers does, use spanattn.hf.enable(model, allow_split_spans=True)"
             ) from None
         return batch, rows
+
+    def _piece_spans(self, row: int, first: int, stop: int, base: int, first_query: int) -> list[tuple]:
+        """The spans of row ``row`` inside the piece ``[first, stop)`` (cut at its ends: a run
+        crossing into the padding or the next sample), from its key ``base`` on. A span reaching past
+        the step's end is left whole (a chunk cutting an image, or a group's later images:
+        :class:`spanattn.Batch` decides)."""
+        end = self.kv_end
+        clipped = [
+            (max(s, first), e if e >= end else min(e, stop - 1), *group)
+            for s, e, *group in self.spans(row)
+            if e >= first and (s < stop or s >= end)
+        ]
+        reach = {}  # the last position of each span group: its first span's queries are there too
+        for _, e, *group in clipped:
+            if group:
+                reach[group[0]] = max(e, reach.get(group[0], e))
+        spans = []
+        for s, e, *group in clipped:
+            last = reach[group[0]] if group else e  # the last query that sees this span's keys
+            if self.rule.layer.spans == "on" and s < base and last >= first_query:
+                raise NotImplementedError(
+                    f"spanattn.hf: the cache dropped keys {s}..{base - 1} of the image at "
+                    f"{s}..{e} that queries of this step attend to (a sliding layer whose images ignore "
+                    "the window); prefill the whole image in one step"
+                )
+            if e >= base:  # keys before `base` are padding or outside every query's window: clip
+                spans.append((max(s, base) - base, e - base, *group))
+        return spans
 
     @classmethod
     def every_key(cls, batch: int, sq: int, sk: int, options: Options) -> StepMask:
