@@ -11,6 +11,7 @@ types only (all the mask needs). Training: ``loss`` (each family's objective), `
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import pytest
@@ -320,3 +321,17 @@ def gradient_error(want: dict, got: dict) -> tuple[float, str]:
     floor = 1e-3 * max(g.abs().max() for g in want.values() if g is not None)
     scale = lambda g: max(g.abs().max(), floor)
     return max((((got[n] - g).abs().max() / scale(g)).item(), n) for n, g in want.items() if g is not None)
+
+
+@functools.cache
+def eager_and_spanattn(name: str):
+    """(eager model, the same weights through spanattn.hf), built once per test process; skips
+    where the installed transformers has no ``name``."""
+    import copy
+
+    import spanattn.hf as sahf
+
+    if not available(name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    eager = build(name)
+    return eager, sahf.enable(copy.deepcopy(eager))

@@ -17,8 +17,6 @@ another sample's): spanattn refuses those masks by formula, and these tests stop
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
 
 import pytest
 import torch
@@ -50,12 +48,7 @@ def packing_composed_last():
         pytest.skip(f"transformers {transformers.__version__} composes image blocks outside its packed mask")
 
 
-@functools.cache
-def pair(name: str):
-    if not hm.available(name):
-        pytest.skip(f"transformers {transformers.__version__} has no {name}")
-    eager = hm.build(name)
-    return eager, sahf.enable(copy.deepcopy(eager))
+pair = hm.eager_and_spanattn
 
 
 def sample(name: str, tokens: list[int], suffix: int = 0) -> dict:

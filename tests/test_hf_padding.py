@@ -7,13 +7,8 @@ prompt), and right padding where a cache is read or filled (decoding after it)."
 
 from __future__ import annotations
 
-import copy
-import functools
-
 import pytest
 import torch
-
-import spanattn.hf as sahf
 
 transformers = pytest.importorskip("transformers")
 import hf_models as hm  # noqa: E402
@@ -23,12 +18,7 @@ TOL = 1e-5
 LM = ["gemma3", "gemma4", "gemma4_unified", "paligemma", "paligemma2", "molmo2"]
 
 
-@functools.cache
-def pair(name: str):
-    if not hm.available(name):
-        pytest.skip(f"transformers {transformers.__version__} has no {name}")
-    eager = hm.build(name)
-    return eager, sahf.enable(copy.deepcopy(eager))
+pair = hm.eager_and_spanattn
 
 
 def logits(model, kw):
