@@ -7,8 +7,8 @@ Read by columns, the mask gives each key one interval of the chunk's queries
 (``[max qlo, min qhi]``) need no mask: the transpose of the forward's walk (schedule.py). Span
 groups add each group's queries outside the hull, walked over ``groups.query_tile_runs``.
 
-The definition in torch ops, no per-token Python loop (tile starts come from host lists, as
-``schedule.tile_starts``' do); built once per plan and block shape and cached on the plan.
+The definition in torch ops, no per-token Python loop (tile starts from host lists:
+``schedule.tile_starts``); built once per plan and block shape and cached on the plan.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 from ...intervals import seq_ids
 from .columns import KEY_INFO
+from .schedule import tile_starts
 
 BIG = 2**31 - 1
 
@@ -46,21 +47,11 @@ class KeySchedule:
         return self.info[:, KEY_INFO.index(name)]
 
 
-def key_tile_starts(plan, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host side, O(tiles): the sequence and first key (in the sequence) of each key tile,
-    int64 (host lists for the reason ``schedule.tile_starts`` gives)."""
-    seqs, starts = [], []
-    for i, s in enumerate(plan.batch.seqs):
-        n = -(-s.kv_len // block_n)
-        seqs += [i] * n
-        starts += range(0, n * block_n, block_n)
-    return torch.tensor(seqs, dtype=torch.int64), torch.tensor(starts, dtype=torch.int64)
-
-
 def build_key_schedule(plan, block_m: int, block_n: int, lpt: bool = True) -> KeySchedule:
     """Every sequence's keys in tiles of ``block_n``, each with its column hull and FULL query
     tiles, ordered longest walk first (``lpt``) or in sequence order."""
-    tile_seq, n_start = (t.to(plan.device) for t in key_tile_starts(plan, block_n))
+    starts = tile_starts([s.kv_len for s in plan.batch.seqs], block_n)
+    tile_seq, n_start = (t.to(plan.device) for t in starts)
     total, dev = tile_seq.shape[0], plan.device
     cu_q, cu_k = plan.cu_seqlens_q.long(), plan.cu_seqlens_k.long()
     qlo, qhi = (t.long() for t in plan.columns())

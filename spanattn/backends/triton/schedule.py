@@ -44,16 +44,17 @@ class TileSchedule:
         return (keys + self.block_n - 1) // self.block_n
 
 
-def tile_starts(plan, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host side, O(tiles): the sequence and first query (in the sequence) of each tile, int64.
-    Python lists, not torch CPU ops: after torch.compile has run in the process, even a
-    searchsorted over 256 tiles took 7-8 ms per step on the H200 machine (0.4 ms before), where
-    this costs microseconds per hundred tiles."""
+def tile_starts(lengths: list[int], block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host side, O(tiles): the sequence and first row (in the sequence) of each tile of
+    ``block`` rows over sequences of ``lengths`` rows (queries here, keys for the backward's
+    key tiles), int64. Python lists, not torch CPU ops: after torch.compile has run in the
+    process, even a searchsorted over 256 tiles took 7-8 ms per step on the H200 machine (0.4 ms
+    before), where this costs microseconds per hundred tiles."""
     seqs, starts = [], []
-    for i, s in enumerate(plan.batch.seqs):
-        n = -(-s.q_len // block_m)
+    for i, length in enumerate(lengths):
+        n = -(-length // block)
         seqs += [i] * n
-        starts += range(0, n * block_m, block_m)
+        starts += range(0, n * block, block)
     return torch.tensor(seqs, dtype=torch.int64), torch.tensor(starts, dtype=torch.int64)
 
 
@@ -61,7 +62,7 @@ def build_schedule(plan, block_m: int, block_n: int, lpt: bool = True) -> TileSc
     """Split every sequence's queries into tiles of ``block_m`` and order them longest first
     (LPT: the long causal tiles start first so the short ones fill the tail of the launch).
     The definition, in torch ops; CUDA builds the same table in one launch (schedule_triton.py)."""
-    tile_seq, tile_qstart = tile_starts(plan, block_m)
+    tile_seq, tile_qstart = tile_starts([s.q_len for s in plan.batch.seqs], block_m)
     total = tile_seq.shape[0]
     dev = plan.device
     tile_seq = tile_seq.to(dev)

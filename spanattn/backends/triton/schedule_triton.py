@@ -89,7 +89,7 @@ def _tile_info_kernel(
 
 def build_schedule_triton(plan, block_m: int, block_n: int, lpt: bool = True) -> TileSchedule:
     """schedule.build_schedule, one launch for the table (and the span groups' walk)."""
-    tile_seq, tile_qstart = tile_starts(plan, block_m)
+    tile_seq, tile_qstart = tile_starts([s.q_len for s in plan.batch.seqs], block_m)
     total = tile_seq.shape[0]
     starts = torch.stack([tile_seq, tile_qstart]).to(torch.int32).to(plan.device)
     info = torch.empty(total, len(INFO), dtype=torch.int32, device=plan.device)
