@@ -29,7 +29,7 @@ from dataclasses import replace
 import torch
 
 import spanattn as sa
-from spanattn.bench.report import environment, pyplot, result_path
+from spanattn.bench.report import environment, labelled_bars, pyplot, result_path
 from spanattn.bench.timing import rotated, turns_ms
 from spanattn.oracle import Truth
 from spanattn.scenarios import HKV, HQ, scenarios
@@ -196,17 +196,9 @@ def _draw(path, rows) -> None:
     if not cases:
         return
     fig, ax = plt.subplots(figsize=(10, 4))
-    width = 0.8 / len(names)
-    for i, n in enumerate(names):
-        xs = [c + (i - (len(names) - 1) / 2) * width for c in range(len(cases))]
-        ys = [r["contenders"].get(n, {}).get("efficiency", 0.0) for r in cases]
-        ax.bar(xs, ys, width, label=n)
-        for x, y in zip(xs, ys):
-            if y:
-                ax.text(x, y + 0.01, f"{y:.2f}", ha="center", fontsize=7)
+    labelled_bars(ax, cases, names, "efficiency", ".2f")
     for level in sorted(set(TARGETS.values())):
         ax.axhline(level, color="grey", lw=0.8, ls="--")
-    ax.set_xticks(range(len(cases)), [f"{r['scenario']} d{r['d']}" for r in cases])
     ax.set_ylabel("per-pair rate / FA4 built-in's")
     ax.set_title("Efficiency per useful pair (medians of alternating rounds)")
     ax.legend(fontsize=8)

@@ -34,7 +34,7 @@ from short_walks import _builtin, _causal_twin, _time_ms  # this folder (FA4's c
 from short_walks import _inputs as short_walks_inputs
 
 import spanattn as sa
-from spanattn.bench.report import environment, pyplot, result_path
+from spanattn.bench.report import environment, labelled_bars, pyplot, result_path
 from spanattn.bench.timing import rotated
 from spanattn.oracle import GradTruth
 from spanattn.scenarios import HQ, training_scenarios
@@ -200,15 +200,7 @@ def _draw(path, rows) -> None:
         return
     names = sorted({n for r in cases for n, c in r["contenders"].items() if "bwd_tflops" in c})
     fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(cases)), 4))
-    width = 0.8 / len(names)
-    for i, n in enumerate(names):
-        xs = [c + (i - (len(names) - 1) / 2) * width for c in range(len(cases))]
-        ys = [r["contenders"].get(n, {}).get("bwd_tflops", 0.0) for r in cases]
-        ax.bar(xs, ys, width, label=n)
-        for x, y in zip(xs, ys):
-            if y:
-                ax.text(x, y + 2, f"{y:.0f}", ha="center", fontsize=6)
-    ax.set_xticks(range(len(cases)), [f"{r['scenario']} d{r['d']}" for r in cases])
+    labelled_bars(ax, cases, names, "bwd_tflops", ".0f", fontsize=6)
     ax.set_ylabel("backward TFLOP/s over allowed pairs")
     ax.set_title("Backward: 10 * D * Hq * allowed pairs / time (medians of alternating rounds)")
     ax.legend(fontsize=8)

@@ -99,6 +99,21 @@ def pyplot():
     return plt
 
 
+def labelled_bars(ax, rows: list[dict], names: list[str], key: str, fmt: str, fontsize: int = 7) -> None:
+    """One group of bars per row (a benchmark's ``{"scenario", "d", "contenders": {name:
+    {key: value}}}``), one bar per contender in ``names`` (0 where it has no ``key``), each
+    labelled with its value in ``fmt``; the groups' ticks name the scenario and head_dim."""
+    width = 0.8 / len(names)
+    for i, n in enumerate(names):
+        xs = [c + (i - (len(names) - 1) / 2) * width for c in range(len(rows))]
+        ys = [r["contenders"].get(n, {}).get(key, 0.0) for r in rows]
+        ax.bar(xs, ys, width, label=n)
+        for x, y in zip(xs, ys):
+            if y:
+                ax.text(x, y, format(y, fmt), ha="center", va="bottom", fontsize=fontsize)
+    ax.set_xticks(range(len(rows)), [f"{r['scenario']} d{r['d']}" for r in rows])
+
+
 def write_png(path: Path, meta: dict, rows: list[dict]) -> bool:
     """Grouped bars of TFLOP/s per (scenario, d), one colour per backend. False if no matplotlib."""
     plt = pyplot()
