@@ -131,12 +131,12 @@ def backward(q, k, v, out, lse, dout, plan, *, scale, softcap=None, dlse=None):
 
     causal = fa4_flags.flags(plan)[0]
     left, right = fa4_flags.window(plan, causal)
-    contiguous = lambda t: None if t is None else t.transpose(0, 1).contiguous()  # FA4's LSE is [Hq, rows]
+    fa4_rows = lambda t: None if t is None else t.transpose(0, 1).contiguous()  # FA4's LSE is [Hq, rows]
     dq, dk, dv = _flash_attn_bwd(
-        q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), dout.contiguous(), contiguous(lse),
+        q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), dout.contiguous(), fa4_rows(lse),
         scale, causal, softcap or 0.0, window_size_left=left, window_size_right=right,
         cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k, max_seqlen_q=plan.max_seqlen_q,
-        max_seqlen_k=plan.max_seqlen_k, deterministic=True, dlse=contiguous(dlse),
+        max_seqlen_k=plan.max_seqlen_k, deterministic=True, dlse=fa4_rows(dlse),
     )  # fmt: skip
     return dq, dk, dv
 
