@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -52,7 +52,7 @@ def run_grad_case(case, seed: int, device, backends: list[str], tallies: dict, i
     """Every backend in ``backends`` that trains the case, its gradients held to the truth; with
     ``isolate``, the repeat and the poisoned sequence ``victim`` too."""
     d, hq, hkv, dtype, cap = case.model
-    case.page_size = None
+    case = replace(case, page_size=None)  # its packed K/V: nothing trains through a paged cache
     p, q, k, v, *_ = inputs(case, device, seed)
     g = torch.Generator(device=device).manual_seed(seed + 1)
     dout = torch.randn(q.shape, generator=g, device=device).to(dtype)
