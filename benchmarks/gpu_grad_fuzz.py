@@ -38,7 +38,7 @@ def main():
                         max_seconds=args.max_seconds)  # fmt: skip
     res = {**environment("cuda"), "seed": args.seed, "steps": args.steps, "max_tokens": args.max_tokens}
     res |= {"seconds": round(time.time() - t0, 1), "backends": {n: asdict(t) for n, t in tallies.items()}}
-    path = result_path(args.out, f"grad-fuzz-{'-'.join(backends)}", res)
+    path = result_path(args.out, f"grad-fuzz-seed{args.seed}-{'-'.join(backends)}", res)
     path.write_text(json.dumps(res, indent=1))
     log(f"wrote {path}")
 

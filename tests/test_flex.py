@@ -115,3 +115,13 @@ def test_gpu_compiled_lse_softcap(softcap):
     plan = sa.plan(sa.Batch(seqs), sa.LayerMask(window=512, spans="clamp"), "cuda")
     q, k, v = (x.cuda() for x in inputs(plan, 8, 2, 128, torch.bfloat16))
     check(plan, q, k, v, flex.forward, scale=128**-0.5, softcap=softcap)
+
+
+def test_compiled_step_never_runs_eagerly_past_the_recompile_limit():
+    # past dynamo's limit a compiled step would run flex's eager math (a neighbour's NaN in every
+    # row's gradient): an error naming the backend instead
+    step = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    for n in range(1, flex.RECOMPILE_LIMIT + 1):
+        assert flex.run_compiled(step, torch.ones(n)).sum() == 2 * n
+    with pytest.raises(RuntimeError, match="flex backend: torch.compile could not build .*LimitHit"):
+        flex.run_compiled(step, torch.ones(flex.RECOMPILE_LIMIT + 1))

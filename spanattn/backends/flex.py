@@ -159,7 +159,51 @@ DYNAMIC = os.environ.get("SPANATTN_FLEX_DYNAMIC", "1") != "0"
 @functools.cache
 def _compiled(return_lse, groups: bool = False):
     """One compiled step per ``return_lse``, and per whether the plan has span groups."""
-    return torch.compile(_flex_group_step if groups else _flex_step, dynamic=True if DYNAMIC else False)
+    step = torch.compile(_flex_group_step if groups else _flex_step, dynamic=True if DYNAMIC else False)
+    return functools.partial(run_compiled, step)
+
+
+# Past dynamo's recompile limit a compiled function silently runs eagerly, and flex's eager math
+# materializes the scores and multiplies every value row by its zero probabilities: a neighbour's
+# NaN then reaches every sequence's gradients, at O(tokens^2) memory. A model needs a handful of
+# graphs (dtype, head_dim, GQA ratio, softcap, ...), a process training several models more: a
+# higher limit for these steps, and an error past it instead of the eager path.
+RECOMPILE_LIMIT = 64
+_LIMIT_NAMES = (
+    ("recompile_limit", "cache_size_limit"),  # the newer name first
+    ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"),
+)
+
+
+def _dynamo_limits() -> dict:
+    import torch._dynamo.config as cfg
+
+    limit, fail = (next((n for n in names if hasattr(cfg, n)), None) for names in _LIMIT_NAMES)
+    return {k: v for k, v in ((limit, RECOMPILE_LIMIT), (fail, True)) if k is not None}
+
+
+def run_compiled(step, *args):
+    """``step(*args)`` for a ``torch.compile``d flex step: never the eager fallback, and torch's
+    compile failures (flex's kernels out of shared memory, the recompile limit) as one error
+    naming the backend.
+
+    >>> run_compiled(torch.compile(torch.neg, backend="eager"), torch.ones(2))
+    tensor([-1., -1.])
+    """
+    import torch._dynamo.config as cfg
+
+    try:
+        with cfg.patch(**_dynamo_limits()):
+            return step(*args)
+    except Exception as e:
+        kind = type(e).__name__
+        if kind not in ("InductorError", "BackendCompilerFailed") and "LimitHit" not in kind:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else kind
+        raise RuntimeError(
+            f"flex backend: torch.compile could not build FlexAttention for this step ({kind}: {first}); "
+            f"backend='triton' runs every step"
+        ) from e
 
 
 @functools.cache
