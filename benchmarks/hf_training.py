@@ -16,7 +16,10 @@ contender trains the same weights from the same state under each attention imple
 
 Reported per family, size and contender: median step time, tokens/s, peak memory above the
 weights and optimizer state, the loss and the first text layer's query-projection gradient
-against the reference (SDPA, else eager) in the same dtype; the longest context each trains
+against the reference (SDPA, else eager) in the same dtype and against the truth (the reference
+with the same weights in fp32; fp64 for an fp32 stack), spanattn's held to twice the reference's
+own error (``grad_within_rule``: deep random stacks amplify rounding, Gemma 4's most); the longest
+context each trains
 (doubling from the first size until it runs out of memory, ``--longest``); and for Gemma 3 and
 Gemma 4 a packed batch (``--samples`` samples of 1k-3.5k tokens with their images in one row:
 position ids restarting per sample) against the same samples padded, tokens/s of real tokens and
@@ -88,10 +91,10 @@ def step(family, model, opt, kw: dict, device) -> tuple[float, float, torch.Tens
     opt.zero_grad(set_to_none=True)
     loss = loss_of(family, model, kw)
     loss.backward()
-    grad = probe(model).grad.detach().float().cpu().clone()
     opt.step()
     hf.sync(device)
-    return time.perf_counter() - start, loss.item(), grad
+    seconds = time.perf_counter() - start
+    return seconds, loss.item(), probe(model).grad.detach().float().cpu()  # AdamW leaves .grad as it was
 
 
 def measure(family, model, kw: dict, tokens: int, impl: str, device, warmup: int, repeats: int) -> dict:
@@ -131,18 +134,50 @@ def measure(family, model, kw: dict, tokens: int, impl: str, device, warmup: int
     return res
 
 
-def compare(rows: list[dict], reference: str) -> None:
-    """Loss and probe-gradient errors against the reference, speed-ups against every peer."""
+def truth_gradient(family, model, kw: dict, reference: str, device) -> torch.Tensor | None:
+    """The probe's gradient of the same weights and inputs in a wider dtype (fp32 for a bf16
+    stack, fp64 for an fp32 one) under the reference implementation: what every contender's
+    gradient is held to. None where it does not fit in memory."""
+    dtype = model.dtype
+    wide = torch.float64 if dtype == torch.float32 else torch.float32
+    hf.set_impl(model, reference)
+    model.to(wide)  # bf16 -> fp32 -> bf16 keeps every weight's bits
+    try:
+        model.zero_grad(set_to_none=True)
+        wide_kw = {k: v.to(wide) if v.is_floating_point() else v for k, v in kw.items()}
+        loss_of(family, model, wide_kw).backward()
+        return probe(model).grad.detach().double().cpu().clone()
+    except torch.cuda.OutOfMemoryError:
+        return None
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.to(dtype)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def compare(rows: list[dict], reference: str, truth: torch.Tensor | None, dtype: torch.dtype) -> None:
+    """Loss and probe-gradient errors against the reference, speed-ups against every peer; with
+    ``truth``, each contender's gradient error against it, and for spanattn the rule at stack
+    level (docs/design.md): at most twice the reference's own error in the same dtype, plus 1e-2
+    in bf16 (1e-6 in fp32). A deep random stack amplifies rounding, so only the reference's own
+    error tells a wrong gradient from a chaotic one."""
     by = {r["impl"]: r for r in rows if r["status"] == "ok"}
     grads = {impl: row.pop("grad") for impl, row in by.items()}
     ref = by.get(reference)
     for impl, row in by.items():
+        if truth is not None:
+            row["grad_rel_vs_truth"] = hf.rel(grads[impl].double(), truth)
         if ref is not None and row is not ref:
             row["loss_rel_vs_" + reference] = abs(row["loss"] - ref["loss"]) / abs(ref["loss"])
             row["grad_rel_vs_" + reference] = hf.rel(grads[impl], grads[reference])
         for peer in by.values():
             if peer is not row:
                 row[f"speedup_vs_{peer['impl']}"] = peer["ms"] / row["ms"]
+    ours = by.get(spanattn.hf.NAME)
+    if truth is not None and ours is not None and ref is not None:
+        slack = 1e-6 if dtype == torch.float32 else 1e-2
+        ours["grad_within_rule"] = ours["grad_rel_vs_truth"] <= 2 * ref["grad_rel_vs_truth"] + slack
 
 
 def longest(family, model, impl: str, first: int, limit: int, tiny: bool, device) -> int | None:
@@ -199,12 +234,13 @@ def bench_family(family, args, device, dtype) -> dict:
     out = {"results": [], "longest": {}, "packing": []}
     for n in args.sizes:
         kw = hf.inputs(family, model, n, args.tiny, device)
+        truth = truth_gradient(family, model, kw, reference, device)
         rows = []
         for impl in IMPLS:
             res = measure(family, model, kw, n, impl, device, args.warmup, args.repeats)
             rows.append({"family": family.name, "tokens": n, "impl": impl, **res})
             print(f"  {n:6d} {impl:14s} {fmt(res)}", flush=True)
-        compare(rows, reference)
+        compare(rows, reference, truth, dtype)
         out["results"] += rows
     if args.longest:
         for impl in IMPLS:

@@ -90,6 +90,7 @@ def test_hf_training_tiny(tmp_path, capsys):
     rows = {r["impl"]: r for r in data["results"]}
     assert rows["spanattn"]["status"] == rows["sdpa"]["status"] == rows["eager"]["status"] == "ok"
     assert rows["spanattn"]["loss_rel_vs_sdpa"] < 1e-5 and rows["spanattn"]["grad_rel_vs_sdpa"] < 1e-4
+    assert rows["spanattn"]["grad_within_rule"] and rows["spanattn"]["grad_rel_vs_truth"] < 1e-5  # fp64 truth
     assert rows["flex_attention"]["status"] == "unsupported"  # no FlexAttention backward on CPU
     packed = next(r for r in data["packing"] if r["layout"] == "packed")
     assert packed["status"] == "ok" and packed["loss_rel_vs_padded_sdpa"] < 1e-5
