@@ -185,6 +185,38 @@ def column_intervals(layer: LayerMask, step: dict, total_k: int) -> tuple[torch.
     return qlo.to(torch.int32), qhi.to(torch.int32)
 
 
+def columns_from_rows(
+    lo: torch.Tensor, hi: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`column_intervals`' queries per key (``qlo > qhi`` where none: ``0, -1`` here), read
+    from the rows instead of the step's lengths and spans: what a device plan has on the device.
+    ``lo, hi`` never decrease along a sequence's rows (module docstring), so the rows with
+    ``hi >= k`` are a suffix and those with ``lo <= k`` a prefix of its chunk: two binary
+    searches per key over all rows at once, as ``(sequence, bound)`` keys in one sorted order.
+    Rows past ``cu_seqlens_q[-1]`` and keys past ``cu_seqlens_k[-1]`` (a device plan's padding)
+    see and are seen by nothing; so are a sequence's rows ``(0, -1)`` (a rejected one's).
+    Torch ops on the device, no host read: capturable.
+
+    >>> lo, hi = torch.tensor([0, 0, 1, 0]), torch.tensor([0, 1, 2, 0])  # window 2, then a sequence of 1
+    >>> columns_from_rows(lo, hi, torch.tensor([0, 3, 4]), torch.tensor([0, 3, 4]), 4)
+    (tensor([0, 1, 2, 0], dtype=torch.int32), tensor([1, 2, 2, 0], dtype=torch.int32))
+    """
+    n = cu_seqlens_q.numel() - 1
+    cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
+    row_seq = seq_ids(cu_seqlens_q, lo.numel())  # padding rows: n, after every sequence's
+    key_seq = seq_ids(cu_seqlens_k, total_k)
+    live = key_seq < n
+    seq = key_seq.clamp_max(n - 1)
+    k = torch.arange(total_k, device=lo.device) - cu_k[seq]
+    big = 2**33  # bounds lie in [-1, 2**31): (sequence, bound + 1) as one int64 key
+    first = torch.searchsorted(row_seq * big + hi.long() + 1, seq * big + k + 1)  # first row with hi >= k
+    last = torch.searchsorted(row_seq * big + lo.long() + 1, seq * big + k + 1, right=True) - 1  # lo <= k
+    seen = live & (first <= last)
+    qlo = torch.where(seen, first - cu_q[seq], 0)
+    qhi = torch.where(seen, last - cu_q[seq], -1)
+    return qlo.to(torch.int32), qhi.to(torch.int32)
+
+
 def span_holding(spans: torch.Tensor, seq_id: torch.Tensor, pos: torch.Tensor):
     """For each ``(seq_id, pos)`` (int64 tensors of one shape): the row of ``spans`` (step_tensors'
     ``[m, 3]`` rows of seq, start, end, m >= 1) that may hold it, whether it does, and that

@@ -206,3 +206,22 @@ def test_rows_never_decrease_along_a_sequence(batch, layer):
     for i in range(p.num_seqs):
         rows = p.seq_slice(i)
         assert torch.all(p.lo[rows].diff() >= 0) and torch.all(p.hi[rows].diff() >= 0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=batches(max_len=200), layer=layers(max_window=220), pad=st.integers(0, 40))
+def test_columns_from_rows_are_the_column_intervals(batch, layer, pad):
+    # what a device plan derives on the device: the same queries per key, exactly, from lo/hi
+    # alone; padding rows (0, -1) and padding keys after the step see and are seen by nothing
+    from spanattn.intervals import columns_from_rows
+
+    p = sa.plan(batch, layer)
+    lo = torch.cat([p.lo, torch.zeros(pad, dtype=torch.int32)])
+    hi = torch.cat([p.hi, torch.full((pad,), -1, dtype=torch.int32)])
+    qlo, qhi = columns_from_rows(lo, hi, p.cu_seqlens_q, p.cu_seqlens_k, p.total_k + pad)
+    want_lo, want_hi = p.columns()
+    seen = want_lo <= want_hi
+    assert torch.equal(qlo[: p.total_k] <= qhi[: p.total_k], seen)
+    assert torch.equal(qlo[: p.total_k][seen], want_lo[seen])
+    assert torch.equal(qhi[: p.total_k][seen], want_hi[seen])
+    assert torch.all(qlo[p.total_k :] > qhi[p.total_k :])
