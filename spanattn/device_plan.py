@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .arguments import integer
-from .intervals import seq_ids
+from .intervals import columns_from_rows, seq_ids
 from .spec import LayerMask
 
 
@@ -119,6 +119,12 @@ class DevicePlan:
         """Rebuild every prepared table into its tensors (the planner, after an update)."""
         for key, build in self._builders.items():
             build(self.tables[key])
+
+    def columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``qlo, qhi``: int32 ``[total_k]``, the queries that see each key (``Plan.columns``),
+        derived from this step's rows on the device (``intervals.columns_from_rows``): no host
+        read, built by each backward that asks."""
+        return columns_from_rows(self.lo, self.hi, self.cu_seqlens_q, self.cu_seqlens_k, self.total_k)
 
     def query_seq_ids(self) -> torch.Tensor:
         """int64 ``[max_tokens]``: the sequence of each row (padding rows: the last)."""

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import batches, grouped_batches, layers
+from test_device_planner import inputs, planner_for
 from test_tiles import packed_dense
 
 import spanattn as sa
@@ -202,3 +203,22 @@ def test_dkdv_walk_lets_through_exactly_the_allowed_pairs(batch, layer, tiles):
 def test_dkdv_walk_without_groups(batch, layer):
     p = sa.plan(batch, layer)
     assert torch.equal(walked(p, 16, 32), packed_dense(p).long())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batch=batches(max_seqs=4, max_len=120), layer=layers(max_window=130),
+    tiles=st.sampled_from([(16, 16), (32, 64), (64, 16)]), slack=st.integers(0, 40),
+)  # fmt: skip
+def test_device_plan_key_schedule_is_the_host_plans(batch, layer, tiles, slack):
+    # built on the device from a DevicePlanner's step (columns from its rows): the host plan's
+    # tiles in the same order, then capacity's empty tiles (key 1 of a one-key sequence, no walk)
+    planner = planner_for(batch, {"l": layer}, slack=slack)
+    dplan = planner.update(*inputs(batch))["l"]
+    host = build_key_schedule(sa.plan(batch, layer, dplan.device), *tiles)
+    dev = build_key_schedule(dplan, *tiles)
+    n = host.num_tiles
+    assert torch.equal(dev.info[:n], host.info) and torch.equal(dev.tile_cost[:n], host.tile_cost)
+    empty = torch.tensor([{"kv_len": 1, "n_start": 1}.get(c, 0) for c in KEY_INFO], dtype=torch.int32)
+    assert torch.equal(dev.info[n:].cpu(), empty.expand(dev.num_tiles - n, -1))
+    assert not dev.tile_cost[n:].any()

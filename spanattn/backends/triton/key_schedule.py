@@ -47,21 +47,46 @@ class KeySchedule:
         return self.info[:, KEY_INFO.index(name)]
 
 
+def _device_tile_starts(plan, block_n: int):
+    """A device plan's key tiles without a host read: room for the most a step of its capacity
+    can have (``cdiv(total_k, block_n) + max_seqs``), the step's first. ``(tile_seq, n_start,
+    first_tile, live)``: each tile's sequence and first key, each sequence's first tile, and
+    which tiles hold keys."""
+    n, dev = plan.num_seqs, plan.device
+    tiles = (plan.cu_seqlens_k.long().diff() + block_n - 1) // block_n
+    ends = tiles.cumsum(0)
+    t = torch.arange(-(-plan.total_k // block_n) + n, device=dev)
+    tile_seq = torch.searchsorted(ends, t, right=True)
+    live = tile_seq < n
+    tile_seq = tile_seq.clamp_max(n - 1)
+    first_tile = ends - tiles
+    return tile_seq, (t - first_tile[tile_seq]) * block_n, first_tile, live
+
+
 def build_key_schedule(plan, block_m: int, block_n: int, lpt: bool = True) -> KeySchedule:
     """Every sequence's keys in tiles of ``block_n``, each with its column hull and FULL query
-    tiles, ordered longest walk first (``lpt``) or in sequence order."""
-    starts = tile_starts([s.kv_len for s in plan.batch.seqs], block_n)
-    tile_seq, n_start = (t.to(plan.device) for t in starts)
-    total, dev = tile_seq.shape[0], plan.device
+    tiles, ordered longest walk first (``lpt``) or in sequence order. A device plan's is built
+    on the device (capturable), capacity-sized: its tiles past the step's hold no key
+    (``n_start = kv_len = 1``, an empty walk: the kernel reads key row 0 and stores nothing)."""
+    dev, n = plan.device, plan.num_seqs
+    if plan.capacity is None:
+        starts = tile_starts([s.kv_len for s in plan.batch.seqs], block_n)
+        tile_seq, n_start = (t.to(dev) for t in starts)
+        first_tile, live = torch.searchsorted(tile_seq, torch.arange(n, device=dev)), None
+    else:
+        tile_seq, n_start, first_tile, live = _device_tile_starts(plan, block_n)
+    total = tile_seq.shape[0]
     cu_q, cu_k = plan.cu_seqlens_q.long(), plan.cu_seqlens_k.long()
     qlo, qhi = (t.long() for t in plan.columns())
     key_seq = seq_ids(plan.cu_seqlens_k, plan.total_k)
-    first_tile = torch.searchsorted(tile_seq, torch.arange(plan.num_seqs, device=dev))
+    live_key = key_seq < n  # a device plan's keys past the step's: reduced into a slot dropped after
+    key_seq = key_seq.clamp_max(n - 1)
     key_tile = first_tile[key_seq] + (torch.arange(plan.total_k, device=dev) - cu_k[key_seq]) // block_n
+    key_tile = torch.where(live_key, key_tile, total)
 
     def reduce(values, how, init):
-        out = torch.full((total,), init, dtype=torch.int64, device=dev)
-        return out.scatter_reduce(0, key_tile, values, how)
+        out = torch.full((total + 1,), init, dtype=torch.int64, device=dev)
+        return out.scatter_reduce(0, key_tile, values, how)[:total]
 
     # The hull counts keys some query sees; the FULL range every key of the tile (a key no query
     # sees, a cached key behind every window, leaves it empty: its qlo > qhi).
@@ -87,6 +112,9 @@ def build_key_schedule(plan, block_m: int, block_n: int, lpt: bool = True) -> Ke
         "full_start": full_start,
         "full_end": full_end,
     }
+    if live is not None:  # tiles past the step's: key 1 of a one-key sequence at row 0, no walk
+        empty = {"k_row0": 0, "kv_len": 1, "n_start": 1, "q_row0": 0, "q_len": 0}
+        cols |= {c: torch.where(live, cols[c], value) for c, value in empty.items()}
     info = torch.stack([cols[c] for c in KEY_INFO], 1).to(torch.int32)
     first, last = torch.where(walks, q_start, BIG), torch.where(walks, q_end, -1)
     g = plan.groups
