@@ -65,8 +65,10 @@ def attention(
     Gradients: when q, k or v requires grad (and grad mode is on), the output (and the LSE)
     carry gradients to q, k and v, from the backend's backward (``auto`` takes one that has
     it), or the call raises naming a backend that trains it; never an output without them.
-    Saved for the backward: q, k, v, the output and its LSE. A paged cache and a device plan
-    do not train. Under autocast, float32 q, k, v are cast to the autocast dtype, as SDPA's are.
+    Saved for the backward: q, k, v, the output and its LSE. A paged cache does not train; a
+    device plan does (packed K/V; its backward plans on the device, from a copy of the plan's
+    tensors taken by the forward: the planner's next update may come first). Under autocast,
+    float32 q, k, v are cast to the autocast dtype, as SDPA's are.
 
     Under ``torch.compile`` this is the op ``torch.ops.spanattn.attention`` (ops.py): no graph
     break, and nothing of a host plan's lengths becomes a guard; gradients flow through it

@@ -256,14 +256,9 @@ def resolve(q, k, v, plan, block_table, backend, scale, softcap, return_lse, che
 
 def check_trainable(plan, block_table) -> None:
     """What no backend trains: a paged cache (serving reads keys in place, and their gradients
-    would scatter into cache pages) and a device plan (its capacity-padded rows)."""
+    would scatter into cache pages)."""
     if block_table is not None:
         raise ValueError(
             "gradients through a paged KV cache (block_table) are not computed: pass packed k, v "
             "[total_k, Hkv, D] to train, or run the paged call under torch.no_grad()"
-        )
-    if plan.capacity is not None:
-        raise ValueError(
-            "gradients with a device plan (DevicePlanner) are not computed: plan a training step with "
-            "spanattn.plan(batch, layer), or run under torch.no_grad()"
         )

@@ -1,7 +1,8 @@
 """spanattn as torch custom ops (namespace ``spanattn``): what torch.compile and CUDA graphs see
 of it. Each op is opaque to dynamo and has a fake implementation giving its outputs' shapes. The
-host-plan attention ops train (their autograd: grad.py, through ``spanattn::attention_backward``);
-the device-plan ones serve and are forward only (autograd reaching one raises).
+attention ops train (their autograd: grad.py, through ``spanattn::attention_backward`` for a host
+plan, ``spanattn::attention_backward_device_plan`` for a device plan's, which CUDA graphs may
+record like its forward).
 
 - ``spanattn::attention(q, k, v, lo, hi, cu_seqlens_q, cu_seqlens_k, seq_lens, tables,
   block_table, handle, plan_meta, backend, scale, softcap, check_pages) -> out`` (check_pages:
@@ -65,16 +66,6 @@ def _forward(args, return_lse: bool):
     return out.contiguous(), None if lse is None else lse.contiguous()
 
 
-def _forward_only(name: str):
-    def backward(ctx, *grads):
-        raise RuntimeError(
-            f"spanattn::{name} is forward only: a device plan serves; plan a training step with "
-            "spanattn.plan, or run under torch.no_grad() or torch.inference_mode()"
-        )
-
-    return backward
-
-
 # The attention ops' arguments (both plan kinds; see the module docstring); grad: the call will
 # be differentiated through the op's autograd (grad.py), so its backend must have a backward.
 _DEFAULTS = ("deferred", False)
@@ -100,10 +91,9 @@ def _fake_lse(q, v):
     return _fake_out(q, v), q.new_empty((q.shape[0], q.shape[1]), dtype=lse_dtype(q))
 
 
-def _attention_op(name: str, with_lse: bool, tags: tuple = (), trains: bool = False, lse_op=None):
-    """The op ``spanattn::<name>``: ``out``, or ``(out, lse)``; with its gradients where it
-    ``trains`` (grad.py; ``lse_op``: the op whose LSE an op without one recomputes for its
-    backward), else forward only."""
+def _attention_op(name: str, with_lse: bool, tags: tuple = (), lse_op=None):
+    """The op ``spanattn::<name>``: ``out``, or ``(out, lse)``, with its gradients (grad.py;
+    ``lse_op``: the op whose LSE an op without one recomputes for its backward)."""
     returns = "(Tensor, Tensor)" if with_lse else "Tensor"
 
     def forward(*args):
@@ -115,21 +105,15 @@ def _attention_op(name: str, with_lse: bool, tags: tuple = (), trains: bool = Fa
         **({"tags": tags} if tags else {}),
     )  # fmt: skip
     op.register_fake(lambda q, k, v, *plan_and_options: (_fake_lse if with_lse else _fake_out)(q, v))
-    if trains:
-        register_autograd(op, with_lse, full_args, lse_op)
-    else:
-        op.register_autograd(_forward_only(name), setup_context=lambda ctx, inputs, output: None)
+    register_autograd(op, with_lse, full_args, lse_op)
     return op
 
 
-# Device plans (replayable: CUDA graphs may record them; forward only, as device plans serve) and
-# host plans (never recorded; they train).
-attention_op = _attention_op("attention", False)
+# Device plans (replayable: CUDA graphs may record them) and host plans (never recorded).
 attention_lse_op = _attention_op("attention_lse", True)
-host_attention_lse_op = _attention_op("attention_lse_host_plan", True, _NOT_REPLAYABLE, trains=True)
-host_attention_op = _attention_op(
-    "attention_host_plan", False, _NOT_REPLAYABLE, trains=True, lse_op=host_attention_lse_op
-)
+attention_op = _attention_op("attention", False, lse_op=attention_lse_op)
+host_attention_lse_op = _attention_op("attention_lse_host_plan", True, _NOT_REPLAYABLE)
+host_attention_op = _attention_op("attention_host_plan", False, _NOT_REPLAYABLE, lse_op=host_attention_lse_op)
 
 
 @torch.library.custom_op("spanattn::write_kv_cache", mutates_args=("k_cache", "v_cache"))
@@ -161,7 +145,7 @@ def attention_call(q, k, v, plan, block_table, backend, scale, softcap, return_l
     args = (q, k, v, plan.lo, plan.hi, *lengths, tables, block_table, handle, meta, backend, scale, softcap,
             how)  # fmt: skip
     if grad:  # the LSE is what the backward needs besides the output: always the _lse op
-        out, lse = host_attention_lse_op(*args, True)
+        out, lse = (host_attention_lse_op if host else attention_lse_op)(*args, True)
         return (out, lse) if return_lse else out
     if return_lse:
         return (host_attention_lse_op if host else attention_lse_op)(*args)

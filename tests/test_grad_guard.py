@@ -67,15 +67,9 @@ def test_a_backend_that_drops_the_gradient_is_caught(monkeypatch):
         sa.attention(q, k, v, PLAN, backend="sdpa")
 
 
-def test_gradients_through_a_paged_cache_or_a_device_plan_are_refused():
+def test_gradients_through_a_paged_cache_are_refused():
     q, k, v = _inputs()
     kc, vc = (torch.randn(2, 16, 2, 16, device=DEV, requires_grad=True) for _ in range(2))
     bt = torch.tensor([[0], [1]], dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="paged KV cache"):
         sa.attention(q, kc, vc, PLAN, block_table=bt, backend="reference")
-    planner = sa.DevicePlanner({"l": sa.LayerMask()}, max_seqs=2, max_tokens=PLAN.total_q, max_kv_len=16,
-                               max_spans=1, max_kv_tokens=PLAN.total_k, device=DEV)  # fmt: skip
-    t = lambda x: torch.tensor(x, device=DEV)
-    dplan = planner.update(t([7, 5]), t([9, 5]), t([1, 1]), t([[0, 3, 6]]))["l"]
-    with pytest.raises(ValueError, match="device plan"):
-        sa.attention(q, k, v, dplan, backend="reference")

@@ -68,14 +68,25 @@ def test_write_kv_cache_op_passes_opcheck():
     torch.library.opcheck(ops.write_kv_cache_op, (k, v, kc, kc.clone(), slots, None))
 
 
-@pytest.mark.parametrize("op", OPS, ids=lambda op: op._name)
-def test_autograd_reaching_a_device_plan_op_raises(op):
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_device_plan_ops_pass_opcheck_with_gradients(backend):
+    # a device plan trains: its ops differentiated (eager and through AOT dispatch), and the
+    # backward op that reads the plan's tensors and encoding
+    if backend == "triton":
+        pytest.importorskip("triton")
     p, q, k, v, *_ = paged_step(STEP, LAYER, 2, 1, 16, 16, torch.float32)
-    q.requires_grad_(True)
-    out = op(*_args(q, k, v, p, None, "reference"))
-    out = out[0] if isinstance(out, tuple) else out
-    with pytest.raises(RuntimeError, match=f"{op._name} is forward only: a device plan serves"):
-        out.sum().backward()
+    planner = sa.DevicePlanner({"l": LAYER}, max_seqs=3, max_tokens=STEP.total_q, max_kv_len=32, max_spans=3,
+                               max_kv_tokens=STEP.total_k, device=DEV)  # fmt: skip
+    t = lambda x: torch.tensor(x, device=DEV)
+    plan = planner.update(t([5, 1, 3]), t([21, 9, 3]), t([1, 1, 0]), t([[0, 12, 18]]))["l"]
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+    for op in OPS:
+        torch.library.opcheck(op, (*_args(q, k, v, plan, None, backend), "deferred", True))
+    out, lse = ops.attention_lse_op(*_args(q, k, v, plan, None, backend), "deferred", True)
+    saved = (q.detach(), k.detach(), v.detach(), out.detach(), lse.detach())
+    tensors = (plan.lo, plan.hi, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.seq_lens, plan.op_tables)
+    args = (torch.randn_like(out), torch.randn_like(lse), *saved, *tensors, plan.op_meta, backend, 0.3, None)
+    torch.library.opcheck(sa.grad.device_backward_op, args)
 
 
 @pytest.mark.parametrize("backend", ["reference", "sdpa"])

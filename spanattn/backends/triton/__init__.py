@@ -241,7 +241,7 @@ def unavailable(q, plan, **opts) -> str | None:
 
 
 def no_backward(q, plan, **opts) -> str | None:
-    return None  # gradients.py: every step its forward kernels run on packed K/V of a host plan
+    return None  # gradients.py: every step its forward kernels run on packed K/V, host or device plan
 
 
 def backward(q, k, v, out, lse, dout, plan, *, scale, softcap=None, dlse=None):

@@ -49,10 +49,6 @@ def backward(
     config: ``(dK/dV, dQ)`` tiles instead of ``configs.pick_backward``'s (tests).
     Returns dq like q, dk like k, dv like v (dtype and shape; contiguous), accumulated in fp32.
     """
-    if plan.capacity is not None:
-        raise ValueError(
-            "triton backward: a device plan's lengths are not known on the host; use a host plan"
-        )
     q, k, v, out, dout = (_readable(t) for t in (q, k, v, out, dout))
     total_q, hq, d = q.shape
     hkv = k.shape[1]
@@ -68,7 +64,10 @@ def backward(
     )  # fmt: skip
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
 
-    dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
+    # a device plan's rows and keys past the step's belong to no tile: their gradients are zero
+    alloc = torch.empty if plan.capacity is None else torch.zeros
+    like = lambda t: alloc(t.shape, dtype=t.dtype, device=t.device)
+    dk, dv = like(k), like(v)
     keys = key_schedule(plan, dkdv_cfg.block_m, dkdv_cfg.block_n)
     kernel_dkdv.attn_bwd_dkdv[(keys.num_tiles * hkv * dkdv_cfg.dv_split,)](
         q, k, v, dout, lse2, delta, dk, dv, plan.lo, plan.hi, keys.info,
@@ -78,7 +77,7 @@ def backward(
         num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, **shared,
     )  # fmt: skip
 
-    dq = q.new_empty(q.shape)
+    dq = like(q)
     tiles = tile_schedule(plan, dq_cfg.block_m, dq_cfg.block_n)
     kernel_dq.attn_bwd_dq[(tiles.num_tiles * hq * dq_cfg.dv_split,)](
         q, k, v, dout, lse2, delta, dq, plan.lo, plan.hi, tiles.info, *group_args(plan, dq_cfg.block_n),
