@@ -116,17 +116,23 @@ class DevicePlanner:
             for name, layer in layers.items()
         }
 
-    def prepare(self, backend: str = "triton", *, head_dim: int, dtype=torch.bfloat16, group: int = 1):
+    def prepare(
+        self, backend: str = "triton", *, head_dim: int, dtype=torch.bfloat16, group: int = 1, backward=False
+    ):
         """Allocate the tables ``backend`` reads for these head sizes (``group``: query heads per
-        KV head) and rebuild them on every :meth:`update`, so attention finds them ready (and a
-        captured graph holds their build). Optional: an unprepared table is built per call."""
+        KV head; ``backward``: its backward's tables too, for training steps) and rebuild them on
+        every :meth:`update`, so attention finds them ready (and a captured graph holds their
+        build). Optional: an unprepared table is built per call."""
         why = refusal(backend)
         if why is not None:
             raise ValueError(f"backend={backend!r} cannot run a device plan: {why}")
         mod = backends.load(backend)
+        if backward and not getattr(mod, "backward", None):
+            raise ValueError(f"backend={backend!r} has no backward of its own to prepare tables for")
         if hasattr(mod, "prepare"):
+            extra = {"backward": True} if backward else {}
             for plan in self.plans.values():
-                mod.prepare(plan, head_dim, dtype, group=group)
+                mod.prepare(plan, head_dim, dtype, group=group, **extra)
 
     def update(
         self,

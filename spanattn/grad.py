@@ -7,8 +7,9 @@ a plan's lengths a guard).
 
 Saved for the backward: q, k, v, the output and its LSE, and the plan (its handle, or copies of
 a device plan's tensors, O(tokens): the planner's next update rewrites the plan in place, and a
-step's backward may run after it, as under gradient accumulation); nothing O(q x kv). The backward runs the backend the forward ran (the
-same choice from the same call: ``dispatch.pick`` with ``grad="op"``), through its own
+step's backward may run after it, as under gradient accumulation); nothing O(q x kv). The
+backward runs the backend the forward ran (the same choice from the same call:
+``dispatch.pick`` with ``grad="op"``), through its own
 ``backward`` (the triton kernels, the dense formulas of reference and sdpa). The LSE's own
 gradient (``attention_lse``) enters it as ``dlse``. The op without an LSE output recomputes the
 LSE in its backward (spanattn.attention calls the ``_lse`` op whenever its inputs require grad,

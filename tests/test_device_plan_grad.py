@@ -182,3 +182,32 @@ def test_a_cuda_graph_records_a_training_step_and_replays_new_steps():
         want = torch.autograd.grad(out, leaves, dout[: b.total_q])
         for x, w, n in zip(recorded, want, rows):
             assert torch.equal(x[:n], w)
+
+
+def test_prepared_backward_tables_are_rebuilt_in_place_at_every_update():
+    # DevicePlanner.prepare(backward=True): the key tiles and dQ's query tiles built once per
+    # step into the same tensors (what a captured graph reads), equal to a fresh build, and
+    # the gradients through them the host plan's
+    pytest.importorskip("triton")
+    from spanattn.backends.triton.configs import pick_backward
+    from spanattn.backends.triton.kernel import INTERPRETED
+    from spanattn.backends.triton.key_schedule import build_key_schedule
+
+    a, b = BATCHES["prefill"], sa.Batch(BATCHES["prefill"].seqs[::-1])
+    planner = planner_for(a, LAYERS, slack=5)
+    planner.prepare("triton", head_dim=16, dtype=torch.float16, group=2, backward=True)
+    dkdv, _ = pick_backward(16, torch.float16, INTERPRETED)
+    key = ("triton.key_tiles", dkdv.block_m, dkdv.block_n, True)
+    table = None
+    for batch in (a, b):
+        plan = planner.update(*inputs(batch))["s"]
+        assert table is None or plan.tables[key] is table
+        table = plan.tables[key]
+        assert torch.equal(table.info, build_key_schedule(plan, dkdv.block_m, dkdv.block_n).info)
+        *_, qp, kp, vp = padded(batch, planner, 2, 1)
+        dout, dlse = torch.randn(batch.total_q, 2, 16, device=DEV).to(qp.dtype), torch.zeros(batch.total_q, 2)
+        got = grads(qp, kp, vp, plan, "triton", dout, dlse.to(DEV))
+        q, k, v = (t[:n] for t, n in zip((qp, kp, vp), (batch.total_q, batch.total_k, batch.total_k)))
+        want = grads(q, k, v, sa.plan(batch, LAYER, DEV), "triton", dout, dlse.to(DEV))
+        for x, w in zip(got, want):
+            assert torch.equal(x[: w.shape[0]], w)

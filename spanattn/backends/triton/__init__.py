@@ -193,14 +193,17 @@ def _kernel_module():
     return importlib.import_module(__name__ + ".kernel")
 
 
-def prepare(plan, head_dim: int, dtype: torch.dtype = torch.bfloat16, group: int = 1) -> None:
+def prepare(plan, head_dim: int, dtype: torch.dtype = torch.bfloat16, group: int = 1, backward: bool = False):
     """Build the step's tile schedule (and span groups' tile runs) ahead of the first layer
     (cached on the plan): what a step pays once for this backend besides ``spanattn.plan``, so
     that benchmarks count it. The schedule of the kernel that will run, as far as the plan
     tells (a Gluon kernel needs TMA-readable inputs too). A device plan keeps it and rebuilds
     it at every planner update, unless its steps go to the decode kernel (``group``: query
-    heads per KV head)."""
+    heads per KV head). ``backward``: the backward's too (its key tiles and dQ's query tiles),
+    built once per step instead of by every layer's backward."""
     kmod = _kernel_module()
+    if backward:
+        _prepare_backward(plan, head_dim, dtype, kmod.INTERPRETED)
     if plan.capacity is not None:
         from .decode import suited
         from .schedule import build_device_schedule
@@ -221,6 +224,26 @@ def prepare(plan, head_dim: int, dtype: torch.dtype = torch.bfloat16, group: int
     cfg = pick(head_dim, dtype, kmod.INTERPRETED, plan.layer.window)
     tile_schedule(plan, cfg.block_m, cfg.block_n)
     group_args(plan, cfg.block_n)
+
+
+def _prepare_backward(plan, head_dim: int, dtype: torch.dtype, interpreted: bool) -> None:
+    from .configs import pick_backward
+    from .key_schedule import build_key_schedule, key_schedule
+
+    dkdv, dq = pick_backward(head_dim, dtype, interpreted)
+    if plan.capacity is None:
+        key_schedule(plan, dkdv.block_m, dkdv.block_n)
+        tile_schedule(plan, dq.block_m, dq.block_n)
+        return
+    from .schedule import build_device_schedule
+
+    km, kn, qm, qn = dkdv.block_m, dkdv.block_n, dq.block_m, dq.block_n
+    plan._prepare_table(
+        ("triton.key_tiles", km, kn, True), lambda out: build_key_schedule(plan, km, kn, True, out)
+    )
+    plan._prepare_table(
+        ("triton.tiles", qm, qn, True), lambda out: build_device_schedule(plan, qm, qn, True, out)
+    )
 
 
 def unavailable(q, plan, **opts) -> str | None:

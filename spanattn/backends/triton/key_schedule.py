@@ -63,11 +63,12 @@ def _device_tile_starts(plan, block_n: int):
     return tile_seq, (t - first_tile[tile_seq]) * block_n, first_tile, live
 
 
-def build_key_schedule(plan, block_m: int, block_n: int, lpt: bool = True) -> KeySchedule:
+def build_key_schedule(plan, block_m: int, block_n: int, lpt: bool = True, out=None) -> KeySchedule:
     """Every sequence's keys in tiles of ``block_n``, each with its column hull and FULL query
     tiles, ordered longest walk first (``lpt``) or in sequence order. A device plan's is built
     on the device (capturable), capacity-sized: its tiles past the step's hold no key
-    (``n_start = kv_len = 1``, an empty walk: the kernel reads key row 0 and stores nothing)."""
+    (``n_start = kv_len = 1``, an empty walk: the kernel reads key row 0 and stores nothing);
+    ``out``: its schedule of an earlier step, rewritten in place (a captured graph reads it)."""
     dev, n = plan.device, plan.num_seqs
     if plan.capacity is None:
         starts = tile_starts([s.kv_len for s in plan.batch.seqs], block_n)
@@ -131,6 +132,10 @@ def build_key_schedule(plan, block_m: int, block_n: int, lpt: bool = True) -> Ke
     if lpt:
         order = torch.argsort(cost, descending=True, stable=True)
         info, cost = info[order], cost[order]
+    if out is not None:
+        out.info.copy_(info)
+        out.tile_cost.copy_(cost)
+        return out
     return KeySchedule(block_m, block_n, info.contiguous(), cost.contiguous())
 
 
