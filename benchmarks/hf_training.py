@@ -12,7 +12,10 @@ contender trains the same weights from the same state under each attention imple
 - ``spanattn``: ``spanattn.hf`` (backend auto: triton's kernels, forward and backward);
 - ``sdpa``, ``eager``: transformers' own, with their dense masks (eager skipped as 'OOM' where
   its scores would not fit, SDPA's softcap refusal recorded as 'unsupported');
-- ``flex_attention``: transformers' FlexAttention path (its BlockMask from the mask functions).
+- ``flex_attention``: transformers' FlexAttention path (its BlockMask from the mask functions);
+- ``no_attention``: each query's output its own value row (no scores, no mask), the step's floor:
+  every contender's ``attention_ms`` is its step time minus this, and ``attention_speedup_vs_*``
+  compares those (how far a whole step's speed-up can go is bounded by the rest of the step).
 
 Reported per family, size and contender: median step time, tokens/s, peak memory above the
 weights and optimizer state, the loss and the first text layer's query-projection gradient
@@ -43,6 +46,23 @@ import spanattn.hf
 from spanattn.bench.report import environment, result_path
 
 IMPLS = ("spanattn", "sdpa", "eager", "flex_attention")
+FLOOR = "no_attention"  # the step without attention's own work: what no attention can beat
+
+
+def _no_attention(module, query, key, value, attention_mask, **kwargs):
+    """Each query's output its own position's value row (GQA's heads repeated): no scores, no
+    mask; the projections, norms, MLPs, loss and optimizer as in a real step."""
+    out = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_floor() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(FLOOR, _no_attention)
+    AttentionMaskInterface.register(FLOOR, lambda *args, **kwargs: None)
+
+
 GEMMA3_12B = dict(
     hidden_size=3840, intermediate_size=15360, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
     sliding_window=1024, query_pre_attn_scalar=256,
@@ -94,7 +114,8 @@ def step(family, model, opt, kw: dict, device) -> tuple[float, float, torch.Tens
     opt.step()
     hf.sync(device)
     seconds = time.perf_counter() - start
-    return seconds, loss.item(), probe(model).grad.detach().float().cpu()  # AdamW leaves .grad as it was
+    grad = probe(model).grad  # AdamW leaves it as it was; None where attention never read the queries
+    return seconds, loss.item(), None if grad is None else grad.detach().float().cpu()
 
 
 def measure(family, model, kw: dict, tokens: int, impl: str, device, warmup: int, repeats: int) -> dict:
@@ -164,6 +185,10 @@ def compare(rows: list[dict], reference: str, truth: torch.Tensor | None, dtype:
     error tells a wrong gradient from a chaotic one."""
     by = {r["impl"]: r for r in rows if r["status"] == "ok"}
     grads = {impl: row.pop("grad") for impl, row in by.items()}
+    floor = by.pop(FLOOR, None)
+    if floor is not None:  # attention's own time: the step's minus the floor's
+        for row in by.values():
+            row["attention_ms"] = row["ms"] - floor["ms"]
     ref = by.get(reference)
     for impl, row in by.items():
         if truth is not None:
@@ -174,6 +199,8 @@ def compare(rows: list[dict], reference: str, truth: torch.Tensor | None, dtype:
         for peer in by.values():
             if peer is not row:
                 row[f"speedup_vs_{peer['impl']}"] = peer["ms"] / row["ms"]
+                if floor is not None and row["attention_ms"] > 0:
+                    row[f"attention_speedup_vs_{peer['impl']}"] = peer["attention_ms"] / row["attention_ms"]
     ours = by.get(spanattn.hf.NAME)
     if truth is not None and ours is not None and ref is not None:
         slack = 1e-6 if dtype == torch.float32 else 1e-2
@@ -236,7 +263,7 @@ def bench_family(family, args, device, dtype) -> dict:
         kw = hf.inputs(family, model, n, args.tiny, device)
         truth = truth_gradient(family, model, kw, reference, device)
         rows = []
-        for impl in IMPLS:
+        for impl in (*IMPLS, FLOOR):
             res = measure(family, model, kw, n, impl, device, args.warmup, args.repeats)
             rows.append({"family": family.name, "tokens": n, "impl": impl, **res})
             print(f"  {n:6d} {impl:14s} {fmt(res)}", flush=True)
@@ -268,6 +295,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import transformers
 
+    register_floor()
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     args.sizes = args.sizes or ([128] if args.tiny else [8192, 32768])
