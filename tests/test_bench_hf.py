@@ -92,6 +92,8 @@ def test_hf_training_tiny(tmp_path, capsys):
     assert rows["spanattn"]["loss_rel_vs_sdpa"] < 1e-5 and rows["spanattn"]["grad_rel_vs_sdpa"] < 1e-4
     assert rows["spanattn"]["grad_within_rule"] and rows["spanattn"]["grad_rel_vs_truth"] < 1e-5  # fp64 truth
     assert rows["flex_attention"]["status"] == "unsupported"  # no FlexAttention backward on CPU
+    assert rows["no_attention"]["status"] == "ok"  # the floor: attention's own time is the rest
+    assert rows["spanattn"]["attention_ms"] == rows["spanattn"]["ms"] - rows["no_attention"]["ms"]
     packed = next(r for r in data["packing"] if r["layout"] == "packed")
     assert packed["status"] == "ok" and packed["loss_rel_vs_padded_sdpa"] < 1e-5
     assert packed["row_tokens"] == packed["real_tokens"] < data["packing"][0]["row_tokens"]
