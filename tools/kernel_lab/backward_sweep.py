@@ -36,17 +36,20 @@ from spanattn.bench.report import environment, result_path  # noqa: E402
 from spanattn.scenarios import HQ, training_scenarios  # noqa: E402
 
 C = Config
+# Candidates whose ptxas report (compile_stats_backward.py, triton 3.9, sm_90, bf16) spills at most
+# ~0.5 KB, most through wgmma. The shipped d256 dK/dV tiles (32 keys a program) compile to mma.sync:
+# a warpgroup's wgmma needs 64 rows, and the keys are the rows of K Q^T. Holding dK, dV [keys, D]
+# in fp32 plus K, V is what fills the registers, hence the column splits (dv_split) at d256.
 CANDIDATES = {  # head_dim -> (dK/dV candidates, dQ candidates); the shipped ones are added
     128: (
-        [C(64, 128, 8, 2), C(32, 128, 4, 3), C(64, 64, 4, 3), C(16, 128, 8, 3), C(32, 64, 4, 2),
-         C(64, 128, 8, 1), C(32, 128, 8, 3)],
+        [C(16, 128, 8, 3), C(64, 128, 8, 2), C(32, 64, 4, 2), C(64, 128, 8, 1), C(32, 128, 8, 3)],
         [C(128, 64, 8, 2), C(64, 64, 4, 3), C(128, 32, 4, 3), C(64, 32, 4, 2), C(128, 64, 8, 1),
          C(64, 128, 8, 2)],
     ),
     256: (
-        [C(16, 64, 8, 2), C(32, 64, 8, 1), C(64, 32, 8, 1), C(32, 64, 4, 2), C(16, 32, 4, 2),
-         C(32, 128, 8, 1, dv_split=2)],
-        [C(64, 64, 8, 1), C(128, 32, 8, 1), C(32, 64, 4, 2), C(64, 16, 4, 3), C(128, 64, 8, 1, dv_split=2)],
+        [C(16, 128, 8, 2, dv_split=2), C(32, 128, 8, 1, dv_split=2), C(32, 128, 8, 2, dv_split=2),
+         C(16, 64, 8, 2), C(64, 32, 8, 1), C(16, 64, 4, 2, dv_split=2)],
+        [C(128, 64, 8, 1, dv_split=2), C(64, 16, 4, 3), C(128, 32, 8, 1), C(64, 64, 8, 1)],
     ),
     16: ([C(16, 16, 4, 1)], [C(16, 16, 4, 1)]),  # --tiny
 }  # fmt: skip
