@@ -2,8 +2,8 @@
 scenarios, one kernel varied at a time (the other at its shipped config), each candidate's
 gradients held to the shipped config's first.
 
-    python tools/kernel_lab/backward_sweep.py --out results/                 # GPU: d128 and d256, T0 and T1
-    python tools/kernel_lab/backward_sweep.py --dims 256 --cases T1 --out results/
+    python tools/kernel_lab/backward_sweep.py --out results/   # GPU: T0 and T1 at d128 and d256, T5 at d512
+    python tools/kernel_lab/backward_sweep.py --cases T1-256 --out results/
     TRITON_INTERPRET=1 python tools/kernel_lab/backward_sweep.py --tiny --out /tmp/x  # CPU smoke run
 
 A config is BLOCK_M,BLOCK_N,num_warps,num_stages[,dv_split]: for dK/dV, BLOCK_N keys per
@@ -51,6 +51,12 @@ CANDIDATES = {  # head_dim -> (dK/dV candidates, dQ candidates); the shipped one
          C(16, 64, 8, 2), C(64, 32, 8, 1), C(16, 64, 4, 2, dv_split=2)],
         [C(128, 64, 8, 1, dv_split=2), C(64, 16, 4, 3), C(128, 32, 8, 1), C(64, 64, 8, 1)],
     ),
+    # d512: K and V [keys, 512] held in registers for the whole walk are what spills (even with
+    # dK/dV split 8 ways); the fitting wgmma dQ tiles, the least-spilling dK/dV ones
+    512: (
+        [C(16, 64, 4, 1, dv_split=8), C(16, 64, 4, 2, dv_split=8), C(16, 32, 4, 1, dv_split=4)],
+        [C(64, 32, 4, 1, dv_split=4), C(64, 16, 4, 2, dv_split=2)],
+    ),
     16: ([C(16, 16, 4, 1)], [C(16, 16, 4, 1)]),  # --tiny
 }  # fmt: skip
 
@@ -93,18 +99,17 @@ def sweep_case(sid: str, d: int, scale: int, device: str, dtype, log) -> list[di
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for <date>-backward-sweep-<gpu>.json")
-    ap.add_argument("--dims", default="128,256")
-    ap.add_argument("--cases", default="T0,T1", help="training scenarios (spanattn.scenarios)")
+    ap.add_argument("--cases", default="T0-128,T1-128,T0-256,T1-256,T5-512",
+                    help="training scenario and head_dim pairs (spanattn.scenarios)")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="CPU under TRITON_INTERPRET=1: d16, T1 / 64")
     args = ap.parse_args(argv)
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float16 if args.tiny else torch.bfloat16
-    dims = [16] if args.tiny else [int(x) for x in args.dims.split(",")]
-    cases = ["T1"] if args.tiny else args.cases.split(",")
+    pairs = [c.split("-") for c in args.cases.split(",")]
+    cases = [("T1", 16)] if args.tiny else [(sid, int(d)) for sid, d in pairs]
     t0 = time.time()
     log = lambda msg: print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
-    rows = [r for d in dims for sid in cases
-            for r in sweep_case(sid, d, 64 if args.tiny else 1, device, dtype, log)]  # fmt: skip
+    rows = [r for sid, d in cases for r in sweep_case(sid, d, 64 if args.tiny else 1, device, dtype, log)]
     env = environment(device)
     res = {**env, "what": "backward tile candidates, one kernel varied at a time", "rows": rows}
     path = result_path(args.out, "backward-sweep", env)
