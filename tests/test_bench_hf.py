@@ -97,3 +97,24 @@ def test_hf_training_tiny(tmp_path, capsys):
     packed = next(r for r in data["packing"] if r["layout"] == "packed")
     assert packed["status"] == "ok" and packed["loss_rel_vs_padded_sdpa"] < 1e-5
     assert packed["row_tokens"] == packed["real_tokens"] < data["packing"][0]["row_tokens"]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning", "ignore::UserWarning")
+def test_hf_training_times_a_contender_out_of_memory_again_with_checkpointing(tmp_path, monkeypatch):
+    load_script("hf_families")
+    script = load_script("hf_training")
+    real = script.measure
+
+    def measure(family, model, kw, n, impl, *args):  # spanattn "runs out of memory" without checkpointing
+        if impl == "spanattn" and not model.is_gradient_checkpointing:
+            return {"status": "OOM", "reason": "CUDA out of memory"}
+        return real(family, model, kw, n, impl, *args)
+
+    monkeypatch.setattr(script, "measure", measure)
+    argv = ["--tiny", "--out", str(tmp_path), "--families", "gemma3", "--sizes", "64", "--samples", "0"]
+    assert script.main(argv + ["--warmup", "0", "--repeats", "1"]) == 0
+    (path,) = tmp_path.glob("*-hf-training-cpu.json")
+    rows = {r["impl"]: r for r in json.loads(path.read_text())["families"]["Gemma 3"]["results"]}
+    assert rows["spanattn"]["status"] == "ok" and rows["spanattn"]["checkpointing"] is True
+    assert "checkpointing" not in rows["sdpa"] and "attention_ms" in rows["sdpa"]
+    assert "attention_ms" not in rows["spanattn"]  # the floor ran without checkpointing
