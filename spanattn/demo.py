@@ -1,5 +1,6 @@
 """`spanattn demo`: one Gemma-4-like serving step, every backend of this machine checked against
-the fp64 reference, the mask drawn, and what each span mode would have done on the same step."""
+the fp64 reference, forward and backward (a training step's gradients), the mask drawn, and what
+each span mode would have done on the same step."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from . import backends, viz
 from .api import attention
-from .oracle import Truth
+from .oracle import GradTruth, Truth
 from .plan import Plan, plan
 from .spans import drop_wide_spans
 from .spec import Batch, LayerMask, Seq
@@ -110,8 +111,45 @@ def check_layer(label: str, p: Plan, q, k, v, names, asked: bool, reps: int, log
     return results
 
 
+def check_gradients(label: str, p: Plan, q, k, v, names, asked: bool, reps: int, log) -> list[Result]:
+    """dq, dk, dv of each backend that trains the step (an output gradient drawn once) against
+    the fp64 truth by the gradient rule (``oracle.GradTruth``), timed forward + backward."""
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.device, q.dtype)
+    truth = GradTruth(q, k, v, p, dout)
+    results = []
+    for name in names:
+        res = Result(f"{label} grad", name, str(q.dtype).removeprefix("torch."))
+        try:
+            mod = backends.load(name)
+            if _skip_reason(name, mod, q, p, asked) is not None:
+                continue  # its forward's row says why it does not run at all
+            why = mod.no_backward(q, p)
+        except Exception:  # a backend whose optional dependency fails to import: its forward's row
+            continue
+        if why is not None:
+            res.status, res.dtype = f"skipped: {why}", "-"
+            results.append(res)
+            continue
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+        def step(name=name, leaves=leaves):
+            return torch.autograd.grad(attention(*leaves, p, backend=name), leaves, dout)
+
+        try:
+            grads, res.ms = _timed(step, q.device, reps)
+            verdict = truth.check(*grads, rounding_slack=True)
+            worst = max((verdict.dq, verdict.dk, verdict.dv), key=lambda x: x.err / x.bound)
+            res.err, res.tol = worst.err, worst.bound
+            res.status = "PASS" if verdict.ok else "FAIL"
+        except Exception as e:
+            res.status = f"FAIL: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+        results.append(res)
+        log(f"  [{label}] {name} gradients: {res.status}" + (f", {res.ms:.2f} ms fwd+bwd" if res.ms else ""))
+    return results
+
+
 def table(results: list[Result]) -> str:
-    fmt = "{:<10} {:<10} {:<9} {:>10} {:>10} {:>9}  {}"
+    fmt = "{:<15} {:<10} {:<9} {:>10} {:>10} {:>9}  {}"
     lines = [fmt.format("layer", "backend", "dtype", "max err", "tolerance", "time ms", "check")]
     for r in results:
         num = lambda x, f: "-" if x is None else format(x, f)
@@ -218,6 +256,7 @@ def run(
             # eager FlexAttention on CPU warns that it is unfused; its time in the table says so
             warnings.filterwarnings("ignore", message=".*without torch.compile")
             results += check_layer(label, p, q, k, v, names, asked, reps, log)
+            results += check_gradients(label, p, q, k, v, names, asked, reps, log)
         pictures.append(viz.draw(p, out_dir / f"demo-{label}.png", title=f"spanattn demo: {label} layer"))
         log(f"[{label}] wrote {pictures[-1]}")
     modes = {name: p for name, (p, _) in mode_plans(batch, WINDOW).items()}

@@ -97,7 +97,8 @@ def test_demo_runs_on_cpu(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "0 failed" in out and "on+drop-wide" in out
     for layer in ("sliding", "global", "global-on"):
-        assert f"{layer:<10} reference  float32" in out
+        assert f"{layer:<15} reference  float32" in out
+        assert f"{layer + ' grad':<15} sdpa       float32" in out  # a training step's gradients, checked
         assert (tmp_path / f"demo-{layer}.png").stat().st_size > 10_000
     assert (tmp_path / "demo-modes.png").exists()
     assert time.perf_counter() - t0 < 120
