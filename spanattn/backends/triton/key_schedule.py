@@ -19,7 +19,7 @@ import torch
 
 from ...intervals import seq_ids
 from .columns import KEY_INFO
-from .schedule import tile_starts
+from .schedule import device_tile_starts, tile_starts
 
 BIG = 2**31 - 1
 
@@ -47,22 +47,6 @@ class KeySchedule:
         return self.info[:, KEY_INFO.index(name)]
 
 
-def _device_tile_starts(plan, block_n: int):
-    """A device plan's key tiles without a host read: room for the most a step of its capacity
-    can have (``cdiv(total_k, block_n) + max_seqs``), the step's first. ``(tile_seq, n_start,
-    first_tile, live)``: each tile's sequence and first key, each sequence's first tile, and
-    which tiles hold keys."""
-    n, dev = plan.num_seqs, plan.device
-    tiles = (plan.cu_seqlens_k.long().diff() + block_n - 1) // block_n
-    ends = tiles.cumsum(0)
-    t = torch.arange(-(-plan.total_k // block_n) + n, device=dev)
-    tile_seq = torch.searchsorted(ends, t, right=True)
-    live = tile_seq < n
-    tile_seq = tile_seq.clamp_max(n - 1)
-    first_tile = ends - tiles
-    return tile_seq, (t - first_tile[tile_seq]) * block_n, first_tile, live
-
-
 def build_key_schedule(plan, block_m: int, block_n: int, lpt: bool = True, out=None) -> KeySchedule:
     """Every sequence's keys in tiles of ``block_n``, each with its column hull and FULL query
     tiles, ordered longest walk first (``lpt``) or in sequence order. A device plan's is built
@@ -75,7 +59,7 @@ def build_key_schedule(plan, block_m: int, block_n: int, lpt: bool = True, out=N
         tile_seq, n_start = (t.to(dev) for t in starts)
         first_tile, live = torch.searchsorted(tile_seq, torch.arange(n, device=dev)), None
     else:
-        tile_seq, n_start, first_tile, live = _device_tile_starts(plan, block_n)
+        tile_seq, n_start, first_tile, live = device_tile_starts(plan.cu_seqlens_k, plan.total_k, block_n)
     total = tile_seq.shape[0]
     cu_q, cu_k = plan.cu_seqlens_q.long(), plan.cu_seqlens_k.long()
     qlo, qhi = (t.long() for t in plan.columns())

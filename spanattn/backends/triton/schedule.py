@@ -58,6 +58,23 @@ def tile_starts(lengths: list[int], block: int) -> tuple[torch.Tensor, torch.Ten
     return torch.tensor(seqs, dtype=torch.int64), torch.tensor(starts, dtype=torch.int64)
 
 
+def device_tile_starts(cu_seqlens: torch.Tensor, total: int, block: int):
+    """:func:`tile_starts` on the device without a host read (a device plan's): room for the most
+    tiles a step of ``total`` rows over ``n = len(cu_seqlens) - 1`` sequences can have,
+    ``cdiv(total, block) + n``, the step's first. ``(tile_seq, start, first_tile, live)``, int64:
+    each tile's sequence (clamped to the last) and first row in it, each sequence's first tile,
+    and which tiles hold rows."""
+    n = cu_seqlens.numel() - 1
+    tiles = (cu_seqlens.long().diff() + block - 1) // block
+    ends = tiles.cumsum(0)
+    t = torch.arange(-(-total // block) + n, device=cu_seqlens.device)
+    tile_seq = torch.searchsorted(ends, t, right=True)
+    live = tile_seq < n
+    tile_seq = tile_seq.clamp_max(n - 1)
+    first_tile = ends - tiles
+    return tile_seq, (t - first_tile[tile_seq]) * block, first_tile, live
+
+
 def build_schedule(plan, block_m: int, block_n: int, lpt: bool = True) -> TileSchedule:
     """Split every sequence's queries into tiles of ``block_m`` and order them longest first
     (LPT: the long causal tiles start first so the short ones fill the tail of the launch).
@@ -124,15 +141,10 @@ def build_device_schedule(plan, block_m: int, block_n: int, lpt: bool = True, ou
     max_seqs``, the step's tiles first and the rest empty (``q_row0 = 1 > q_row_last = 0``, no
     keys, cost 0: the kernel walks and stores nothing for them). ``out``: a schedule of this
     shape to rewrite in place (a captured graph keeps reading the same tensors)."""
-    n, total, dev = plan.num_seqs, plan.total_q, plan.device
+    total, dev = plan.total_q, plan.device
     cu_q, cu_k = plan.cu_seqlens_q.long(), plan.cu_seqlens_k.long()
-    tiles = (cu_q.diff() + block_m - 1) // block_m
-    ends = tiles.cumsum(0)
-    t = torch.arange(-(-total // block_m) + n, device=dev)
-    tile_seq = torch.searchsorted(ends, t, right=True)
-    live = tile_seq < n
-    tile_seq = tile_seq.clamp_max(n - 1)
-    q_row0 = cu_q[tile_seq] + (t - ends[tile_seq] + tiles[tile_seq]) * block_m
+    tile_seq, start, _, live = device_tile_starts(plan.cu_seqlens_q, total, block_m)
+    q_row0 = cu_q[tile_seq] + start
     q_end = torch.minimum(q_row0 + block_m, cu_q[tile_seq + 1])
     rows = q_row0[:, None] + torch.arange(block_m, device=dev)
     valid = (rows < q_end[:, None]) & live[:, None]
