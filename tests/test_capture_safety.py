@@ -75,3 +75,36 @@ def test_planning_a_grouped_step_never_syncs(fused, monkeypatch):
     assert all(p.groups is not None for p in plans)
     assert record.ops["aten.empty_strided"] + record.ops["aten.empty"] + record.ops["aten.arange"] > 0
     assert {op: record.ops[op] for op in SYNCS} == dict.fromkeys(SYNCS, 0)
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["built-per-layer", "prepared"])
+def test_a_device_planned_training_step_neither_syncs_nor_copies_from_the_host(prepared):
+    # the op's autograd around its backward (copies of the plan) and, since the ops are opaque to
+    # a dispatch mode, the backward op's implementation called as the op calls it: column
+    # intervals and key tiles built on the device (or prepared by the planner's update)
+    pytest.importorskip("triton")
+    from spanattn.grad import _device_backward
+
+    layers = {"sliding": LAYER, "global": sa.LayerMask(spans="on")}
+    planner = planner_for(MIXED, layers, slack=3)
+    if prepared:
+        planner.prepare("triton", head_dim=16, dtype=torch.float16, group=2, backward=True)
+    cap = planner.capacity
+    g = torch.Generator().manual_seed(0)
+    make = lambda n, h: torch.randn(n, h, 16, generator=g).to(DEV, torch.float16).requires_grad_()
+    q, k, v = make(cap.max_tokens, 4), make(cap.max_kv_tokens, 2), make(cap.max_kv_tokens, 2)
+    step = inputs(MIXED)
+    planner.update(*step)
+    for plan in planner.plans.values():  # as before a capture: the first step compiles and allocates
+        sa.attention(q, k, v, plan, backend="triton").sum().backward()
+    with Record() as record:
+        plans = planner.update(*step)
+        for plan in plans.values():
+            out, lse = sa.attention(q, k, v, plan, backend="triton", return_lse=True)
+            (out.float().sum() + lse.sum()).backward()
+            tensors = (plan.lo, plan.hi, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.seq_lens, plan.op_tables)
+            _device_backward(torch.ones_like(out), None, q.detach(), k.detach(), v.detach(), out.detach(),
+                             lse.detach(), *tensors, plan.op_meta, "triton", None, None)  # fmt: skip
+    assert record.ops["spanattn.attention_backward_device_plan"] == 2 and record.ops["aten.clone"] > 0
+    assert record.ops["aten.searchsorted"] > 0  # it did record the backward's planning
+    assert {op: record.ops[op] for op in REFUSED} == dict.fromkeys(REFUSED, 0)
