@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 import torch
@@ -78,10 +79,30 @@ def _sdpa_causal(d: int):
     return runs, step
 
 
+def _gluon_asked(fn):
+    """``fn`` with ``SPANATTN_TRITON_GLUON=1``: the triton backend's Gluon kernels that run only
+    when asked for (its Gluon backward) against the same backend without them."""
+    from spanattn.backends.triton import GLUON_ENV
+
+    def run(*args):
+        before = os.environ.get(GLUON_ENV)
+        os.environ[GLUON_ENV] = "1"
+        try:
+            return fn(*args)
+        finally:
+            os.environ.pop(GLUON_ENV) if before is None else os.environ.__setitem__(GLUON_ENV, before)
+
+    return run
+
+
 def contenders(d: int, device: str) -> dict:
-    """name -> (why it cannot train the step or None, step): what this machine can time."""
+    """name -> (why it cannot train the step or None, step): what this machine can time
+    (``triton+gluon-bwd``: triton with its Gluon backward asked for, timed and checked so)."""
     names = BACKENDS if device == "cuda" else ("triton", "sdpa", "reference")
     out = {n: _backend(n, d) for n in names if n in sa.backends.BACKENDS}
+    if device == "cuda":
+        trains, step = _backend("triton", d)
+        out["triton+gluon-bwd"] = (trains, _gluon_asked(step))
     if device == "cuda" and d == 512:
         out["sdpa causal"] = _sdpa_causal(d)
     return out
@@ -145,6 +166,8 @@ def run_case(sid: str, d: int, args, device: str, dtype) -> dict:
             entry["peak_mb"] = _peak_mb(fwd_bwd, device)
             out = step(q, k, v, p)
             bwd = lambda o=out: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)
+            if name == "triton+gluon-bwd":
+                fwd_bwd, bwd = _gluon_asked(fwd_bwd), _gluon_asked(bwd)
             if ours:
                 entry["deterministic"] = all(torch.equal(a, b) for a, b in zip(bwd(), bwd()))
         except (torch.OutOfMemoryError, RuntimeError) as e:  # a peer that cannot run it at full size

@@ -6,6 +6,7 @@ subprocess: the interpreter the other tests run under cannot compile for a GPU."
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +65,23 @@ def test_gluon_rescale_runs_under_its_q_at_k(reports):
     for r in (r for r in reports if r["config"]["gluon"] and r["d"] in (128, 256)):
         loops = r["rescales_under_scores"]
         assert loops and min(loops) >= r["d"] // 2 - 4, r
+
+
+def test_gluon_backward_compiles_for_hopper(reports):
+    """kernel_gluon_dkdv (with and without a softcap) fits sm_90's shared memory, spills nothing
+    and keeps its wgmma asynchronous: holding a tile's scores, their gradients and dK, dV in the
+    consumers' 240 registers is what its 32-query steps are sized for (d256's split kernel
+    spills 16 bytes a thread)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    script = ROOT / "tools" / "kernel_lab" / "compile_stats_backward.py"
+    run = subprocess.run([sys.executable, str(script), "--gluon"], capture_output=True, text=True, env=env,
+                         timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 4  # d128 and d256, softcap off and on
+    for r in rows:
+        assert r["shared_bytes"] <= SMEM_PER_BLOCK and r["wgmma"], r
+        assert not r["wgmma_serialized"] and not r["wgmma_wait_injected"], r
+        spilled = int(re.search(r"(\d+) bytes spill stores", " ".join(r["ptxas"])).group(1))
+        assert spilled <= (0 if r["d"] == 128 else 16), r

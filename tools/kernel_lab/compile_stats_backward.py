@@ -7,6 +7,7 @@ shared memory. compile_stats.py's filter for the forward, for the backward's til
     python tools/kernel_lab/compile_stats_backward.py --dims 128 --groups clamp --softcap
     python tools/kernel_lab/compile_stats_backward.py --fp32                              # fp32's tiles
     python tools/kernel_lab/compile_stats_backward.py --dims 128 --dkdv 32,64,8,2 --dq 64,64,8,2
+    python tools/kernel_lab/compile_stats_backward.py --gluon    # kernel_gluon_dkdv, one JSON line a variant
 
 A config is BLOCK_M,BLOCK_N,num_warps,num_stages[,dv_split]; arguments are specialized as a real
 launch's (16-divisible pointers and strides, Hq 16 / Hkv 8).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import re
 import sys
 from pathlib import Path
@@ -59,6 +61,44 @@ def stats(fn, cfg: Config, d: int, n_info: int, groups: str, softcap: bool, fp32
     return {**_report(kernel), "wgmma": "HGMMA" in sass(kernel.asm["cubin"])}
 
 
+REPORTED = ("shared_bytes", "ptxas", "wgmma_serialized", "wgmma_wait_injected", "wgmma")
+
+
+def gluon_stats(d: int, softcap: bool = False) -> dict:
+    """kernel_gluon_dkdv's report at head_dim ``d`` (its split form at d256; bf16, Hq 16 / Hkv 8)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from spanattn.backends.triton import gluon_parts as parts
+    from spanattn.backends.triton import kernel_gluon_dkdv as g
+    from spanattn.backends.triton import kernel_gluon_dkdv_split as split
+
+    block_m, block_n, stages = g.TILES[d]
+    fn, cols = (g.attn_bwd_dkdv_gluon, d) if d == 128 else (split.attn_bwd_dkdv_gluon_split, d // 2)
+
+    def desc(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {cols}],{layout!r}>"
+
+    sig = {}
+    for name, param in inspect.signature(fn.fn).parameters.items():
+        if param.annotation is not inspect.Parameter.empty:
+            sig[name] = "constexpr"
+        elif name.endswith("_desc"):
+            sig[name] = desc(block_n if name in ("k_desc", "v_desc") else block_m)
+        elif name.startswith("stride_") or "_head_" in name:
+            sig[name] = "i32"
+        else:
+            sig[name] = FLOATS.get(name, "*i32")
+    const = {
+        "HQ": 16, "GROUP": 2, "HEAD_DIM": d, "BLOCK_M": block_m, "STAGES": stages, "SOFTCAP": softcap,
+        "N_INFO": len(KEY_INFO), "CONSUMER_REGS": parts.CONSUMER_REGS, "PRODUCER_REGS": parts.PRODUCER_REGS,
+    }  # fmt: skip
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=divisible(sig))
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return {**_report(kernel), "wgmma": "HGMMA" in sass(kernel.asm["cubin"])}
+
+
 def config(text: str) -> Config:
     """``BLOCK_M,BLOCK_N,num_warps,num_stages[,dv_split]``."""
     bm, bn, warps, stages, *split = (int(x) for x in text.split(","))
@@ -73,7 +113,16 @@ def main():
     ap.add_argument("--groups", default="", choices=["", "on", "clamp"])
     ap.add_argument("--softcap", action="store_true")
     ap.add_argument("--fp32", action="store_true", help="fp32 inputs (pick_backward's fp32 tiles)")
+    ap.add_argument("--gluon", action="store_true", help="kernel_gluon_dkdv at its head_dims, softcap off/on")
     args = ap.parse_args()
+    if args.gluon:
+        from spanattn.backends.triton.kernel_gluon_dkdv import HEAD_DIMS
+
+        for d in HEAD_DIMS:
+            for softcap in (False, True):
+                r = gluon_stats(d, softcap)
+                print(json.dumps({"d": d, "softcap": softcap, **{k: r[k] for k in REPORTED}}), flush=True)
+        return
     print("kernel d (block_m, block_n, warps, stages, split) shared_bytes wgmma registers spill_stores_bytes")
     for d in (int(x) for x in args.dims.split(",")):
         dkdv, dq = pick_backward(d, torch.float32 if args.fp32 else torch.bfloat16, False)

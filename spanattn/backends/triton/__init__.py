@@ -24,7 +24,8 @@ from .tma_layout import rebased, tma_form, token_major
 
 # SPANATTN_TRITON_GLUON=0 keeps every step on kernel.py (a check against the Gluon kernels, or a
 # way around them on a toolchain where they misbehave); =1 runs them on any triton without their
-# self-check (gluon_check.py), =check self-checks them on any triton. Read per call.
+# self-check (gluon_check.py), and the Gluon backward (gluon_backward_runs); =check self-checks
+# them on any triton. Read per call.
 GLUON_ENV = "SPANATTN_TRITON_GLUON"
 AUTO_NEEDS_CUDA = True  # backend="auto" never picks the interpreter; naming "triton" still can
 # Device plans (device_plan.py) run on the pointer-load kernel and the split-KV decode kernel:
@@ -226,11 +227,29 @@ def prepare(plan, head_dim: int, dtype: torch.dtype = torch.bfloat16, group: int
     group_args(plan, cfg.block_n)
 
 
+def gluon_backward_runs(plan, head_dim: int, dtype: torch.dtype) -> bool:
+    """Does the backward's dK/dV pass run on kernel_gluon_dkdv (where TMA can read q, k, v and
+    dO)? Hopper, bf16/fp16, the head_dims it is built for, no span groups, and asked for with
+    ``SPANATTN_TRITON_GLUON=1``: the kernels compile for sm_90 without spills and keep their
+    wgmma asynchronous (tests/test_kernels_compile.py), but have not yet been run on a GPU, so
+    they are off until their GPU tests (tests/test_triton_backward.py) have passed there."""
+    if plan.groups is not None or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    device = torch.device(plan.device)
+    if os.environ.get(GLUON_ENV, "") != "1" or device.type != "cuda" or _capability(device) != (9, 0):
+        return False
+    module = _gluon_module("kernel_gluon_dkdv")
+    return module is not None and head_dim in module.HEAD_DIMS
+
+
 def _prepare_backward(plan, head_dim: int, dtype: torch.dtype, interpreted: bool) -> None:
     from .configs import pick_backward
     from .key_schedule import build_key_schedule, key_schedule
 
     dkdv, dq = pick_backward(head_dim, dtype, interpreted)
+    if gluon_backward_runs(plan, head_dim, dtype):
+        block_m, block_n, stages = _gluon_module("kernel_gluon_dkdv").TILES[head_dim]
+        dkdv = Config(block_m, block_n, 4, stages)
     if plan.capacity is None:
         key_schedule(plan, dkdv.block_m, dkdv.block_n)
         tile_schedule(plan, dq.block_m, dq.block_n)
@@ -272,7 +291,8 @@ def backward(q, k, v, out, lse, dout, plan, *, scale, softcap=None, dlse=None):
     key tile's column hull, the dQ kernel over each query tile's row hull)."""
     from .gradients import backward as kernels  # imported on first use, like the forward's kernels
 
-    return kernels(q, k, v, out, lse, dout, plan, scale=scale, softcap=softcap, dlse=dlse)
+    gluon = gluon_backward_runs(plan, q.shape[-1], q.dtype)
+    return kernels(q, k, v, out, lse, dout, plan, scale=scale, softcap=softcap, dlse=dlse, gluon=gluon)
 
 
 def forward(

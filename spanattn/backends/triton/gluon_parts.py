@@ -75,7 +75,7 @@ def descriptors(q, k, v, q_rows: int, kv_rows: int, cols: int):
     mq, mk, mv = tma_matrix(q), tma_matrix(k), tma_matrix(v)
 
     def desc(m, rows):
-        layout = _smem_layout(rows, cols, q.dtype)
+        layout = smem_layout(rows, cols, q.dtype)
         return TensorDescriptor(m, list(m.shape), list(m.stride()), [rows, cols], layout)
 
     boxes = desc(mq.matrix, q_rows), desc(mk.matrix, kv_rows), desc(mv.matrix, kv_rows)
@@ -83,7 +83,7 @@ def descriptors(q, k, v, q_rows: int, kv_rows: int, cols: int):
 
 
 @functools.cache  # a few microseconds of host time per descriptor otherwise, every call
-def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
+def smem_layout(rows: int, cols: int, dtype: torch.dtype):
     el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
     return gl.NVMMASharedLayout.get_default_for([rows, cols], el)
 
@@ -328,7 +328,7 @@ def produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_re
                                last_page, kv_len, PIECES, BLOCK_N, PAGE)  # fmt: skip
                     mbarrier.wait(v_loaded, ends & 1)
                     ends += 1
-                    _zero_rows_from(v_smem, slot, kv_len - n, PIECES, BLOCK_N)
+                    zero_rows_from(v_smem, slot, kv_len - n, PIECES, BLOCK_N)
                     fence_async_shared()  # generic-proxy stores before the consumers' MMAs read them
                     partition_barrier()
                     mbarrier.arrive(v_ready.index(slot))
@@ -369,7 +369,7 @@ def _load_tile(desc, bar, smem, slot, n, tma_row0, tma_last, kv_col, pages, last
 
 
 @gluon.jit
-def _zero_rows_from(smem, slot, valid, PIECES: gl.constexpr, BLOCK_N: gl.constexpr):
+def zero_rows_from(smem, slot, valid, PIECES: gl.constexpr, BLOCK_N: gl.constexpr):
     """Rows ``valid ...`` of the tile in ``smem`` slot ``slot`` set to zero, in 8 x 64 chunks (one
     warp: a few registers)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])

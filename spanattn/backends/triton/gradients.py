@@ -37,6 +37,7 @@ def backward(
     softcap=None,
     dlse=None,
     config: tuple[Config, Config] | None = None,
+    gluon: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of spanattn's attention over packed varlen ``q [total_q, Hq, D]``, ``k/v
     [total_k, Hkv, D]``.
@@ -47,6 +48,8 @@ def backward(
         copied once, and so are tensors with a zero stride, such as a gradient expanded from a
         sum).
     config: ``(dK/dV, dQ)`` tiles instead of ``configs.pick_backward``'s (tests).
+    gluon: run dK/dV on kernel_gluon_dkdv (Hopper; ``gluon_backward_runs`` said so) where TMA can
+        read q, k, v and dout; kernel_dkdv.py otherwise.
     Returns dq like q, dk like k, dv like v (dtype and shape; contiguous), accumulated in fp32.
     """
     q, k, v, out, dout = (_readable(t) for t in (q, k, v, out, dout))
@@ -68,14 +71,21 @@ def backward(
     alloc = torch.empty if plan.capacity is None else torch.zeros
     like = lambda t: alloc(t.shape, dtype=t.dtype, device=t.device)
     dk, dv = like(k), like(v)
-    keys = key_schedule(plan, dkdv_cfg.block_m, dkdv_cfg.block_n)
-    kernel_dkdv.attn_bwd_dkdv[(keys.num_tiles * hkv * dkdv_cfg.dv_split,)](
-        q, k, v, dout, lse2, delta, dk, dv, plan.lo, plan.hi, keys.info,
-        *query_group_args(plan, dkdv_cfg.block_m), *strides, dout.stride(0), dout.stride(1),
-        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), qk_scale, softcap_log2, scale,
-        BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n, SPLIT=dkdv_cfg.dv_split, N_INFO=len(KEY_INFO),
-        num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, **shared,
-    )  # fmt: skip
+    if gluon and config is None and plan.groups is None and _gluon_reads(q, k, v, dout):
+        from . import kernel_gluon_dkdv as g
+
+        keys = key_schedule(plan, *g.TILES[d][:2])
+        g.dkdv(q, k, v, dout, lse2, delta, dk, dv, plan, keys, qk_scale=qk_scale, softcap_log2=softcap_log2,
+               scale=scale, softcap=bool(softcap))  # fmt: skip
+    else:
+        keys = key_schedule(plan, dkdv_cfg.block_m, dkdv_cfg.block_n)
+        kernel_dkdv.attn_bwd_dkdv[(keys.num_tiles * hkv * dkdv_cfg.dv_split,)](
+            q, k, v, dout, lse2, delta, dk, dv, plan.lo, plan.hi, keys.info,
+            *query_group_args(plan, dkdv_cfg.block_m), *strides, dout.stride(0), dout.stride(1),
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), qk_scale, softcap_log2, scale,
+            BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n, SPLIT=dkdv_cfg.dv_split,
+            N_INFO=len(KEY_INFO), num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, **shared,
+        )  # fmt: skip
 
     dq = like(q)
     tiles = tile_schedule(plan, dq_cfg.block_m, dq_cfg.block_n)
@@ -101,6 +111,14 @@ def _preprocess(out, dout, lse, dlse, head_dim: int) -> tuple[torch.Tensor, torc
         D=d, BLOCK=block, HAS_DLSE=dlse is not None,
     )  # fmt: skip
     return delta, lse2
+
+
+def _gluon_reads(q, k, v, dout) -> bool:
+    """Can TMA read the four (kernel_gluon_dkdv: K and V alike, both packed or both head-major)?"""
+    from .tma_layout import tma_form
+
+    forms = [tma_form(t) for t in (q, k, v, dout)]
+    return None not in forms and forms[1][3:] == forms[2][3:]
 
 
 def _readable(t: torch.Tensor) -> torch.Tensor:
