@@ -243,11 +243,13 @@ def test_every_row_is_written(monkeypatch):
 
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-# Steps without span groups (kernel_gluon_dkdv walks none), lengths no multiple of its tiles
-# (32 queries, 128 keys): tiles straddle sequences, chunks end mid-tile, a chunk is shorter than
-# a query tile and a sequence than a key tile.
+# Steps without span groups (the Gluon kernels walk none), lengths no multiple of their tiles
+# (dK/dV: 32 queries, 64-128 keys; dQ: 128 queries, 32-64 keys): tiles straddle sequences,
+# chunks end mid-tile, a chunk is shorter than a query tile. The last two have a sequence shorter
+# than a dQ key tile: dQ runs on kernel_dq.py there (kernel_gluon_dq.fits), dK/dV on Gluon.
 GLUON_STEPS = {
-    "causal varlen": (sa.Batch([sa.Seq(300), sa.Seq(17), sa.Seq(129), sa.Seq(64)]), sa.LayerMask()),
+    "causal varlen": (sa.Batch([sa.Seq(300), sa.Seq(71), sa.Seq(129), sa.Seq(q_len=5, kv_len=64)]),
+                      sa.LayerMask()),
     "window, image wider, clamp": (
         sa.Batch([sa.Seq(400, spans=[(50, 300)]), sa.Seq(q_len=90, kv_len=333, spans=[(10, 40)])]),
         sa.LayerMask(window=100, spans="clamp"),
@@ -256,59 +258,69 @@ GLUON_STEPS = {
         sa.Batch([sa.Seq(q_len=200, kv_len=520, spans=[(250, 480)]), sa.Seq(130, causal=False)]),
         sa.LayerMask(spans="on"),
     ),
-    "decode rows, short": (
-        sa.Batch([sa.Seq(q_len=1, kv_len=n) for n in (1, 40, 200)] + [sa.Seq(5)]),
-        sa.LayerMask(window=64),
-    ),  # fmt: skip
-}
+    "short": (sa.Batch([sa.Seq(300), sa.Seq(17), sa.Seq(129), sa.Seq(64)]), sa.LayerMask()),
+    "decode rows": (sa.Batch([sa.Seq(q_len=1, kv_len=n) for n in (1, 40, 200)] + [sa.Seq(5)]),
+                    sa.LayerMask(window=64)),
+}  # fmt: skip
 
 
-def _gluon_calls(monkeypatch) -> list:
-    """Calls of kernel_gluon_dkdv.dkdv from here on."""
-    from spanattn.backends.triton import kernel_gluon_dkdv as g
+def _gluon_calls(monkeypatch) -> dict:
+    """Calls of the Gluon backward kernels from here on, by kernel."""
+    from spanattn.backends.triton import kernel_gluon_dkdv, kernel_gluon_dq
 
-    calls, real = [], g.dkdv
-    monkeypatch.setattr(g, "dkdv", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    calls = {"dkdv": 0, "dq": 0}
+
+    def counted(name, real):
+        def run(*a, **kw):
+            calls[name] += 1
+            return real(*a, **kw)
+
+        return run
+
+    for mod, name in ((kernel_gluon_dkdv, "dkdv"), (kernel_gluon_dq, "dq")):
+        monkeypatch.setattr(mod, name, counted(name, getattr(mod, name)))
     return calls
 
 
-@pytest.mark.skipif(not HOPPER, reason="kernel_gluon_dkdv runs on Hopper")
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on Hopper")
 @pytest.mark.parametrize("name", GLUON_STEPS)
 @pytest.mark.parametrize("heads", [(4, 2), (8, 1)])
 @pytest.mark.parametrize(("dtype", "softcap"), [(torch.bfloat16, None), (torch.float16, 20.0)])
 @pytest.mark.parametrize("d", [128, 256])
-def test_gluon_dkdv(name, heads, dtype, softcap, d, monkeypatch):
-    """kernel_gluon_dkdv's dK, dV held to the rule, close to kernel_dkdv.py's (the summation
-    order differs), the same bits call after call; the backend routes a Hopper step to it."""
+def test_gluon_backward(name, heads, dtype, softcap, d, monkeypatch):
+    """The Gluon kernels' dq, dk, dv held to the rule, close to the portable kernels' (the
+    summation order differs), the same bits call after call; the backend routes a Hopper step
+    to them when asked."""
     calls = _gluon_calls(monkeypatch)
     batch, layer = GLUON_STEPS[name]
-    dq, dk, dv = check(batch, layer, *heads, d=d, dtype=dtype, softcap=softcap, gluon=True)
-    assert calls, "the Gluon kernel did not run"
+    fits = min(s.kv_len for s in batch.seqs) >= {128: 64, 256: 32}[d]
+    got = check(batch, layer, *heads, d=d, dtype=dtype, softcap=softcap, gluon=True)
+    assert calls == {"dkdv": 1, "dq": int(fits)}, calls
     p = sa.plan(batch, layer, device=DEV)
     q, k, v, dout, _ = inputs(p, *heads, d=d, dtype=dtype)
-    _, dk_t, dv_t = grads(p, q, k, v, dout, softcap=softcap, gluon=False)
-    _, dk_again, dv_again = grads(p, q, k, v, dout, softcap=softcap, gluon=True)
-    assert bitwise_equal(dk, dk_again) and bitwise_equal(dv, dv_again)
-    for a, b in ((dk, dk_t), (dv, dv_t)):
+    portable = grads(p, q, k, v, dout, softcap=softcap, gluon=False)
+    again = grads(p, q, k, v, dout, softcap=softcap, gluon=True)
+    assert all(bitwise_equal(a, b) for a, b in zip(got, again))
+    for a, b in zip(got, portable):
         assert float((a.float() - b.float()).abs().max()) <= 2e-2 * float(b.float().abs().max())
-    calls.clear()
     monkeypatch.setenv(tb.GLUON_ENV, "1")  # asked for (gluon_backward_runs)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     out = sa.attention(qg, kg, vg, p, backend="triton", softcap=softcap)
-    auto = torch.autograd.grad(out, (kg, vg), dout)
-    assert calls and all(bool(torch.isfinite(t).all()) for t in auto)
+    auto = torch.autograd.grad(out, (qg, kg, vg), dout)
+    assert calls == {"dkdv": 3, "dq": 3 * int(fits)} and all(bool(torch.isfinite(t).all()) for t in auto)
 
 
-@pytest.mark.skipif(not HOPPER, reason="kernel_gluon_dkdv runs on Hopper")
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on Hopper")
 @pytest.mark.parametrize("d", [128, 256])
-def test_gluon_dkdv_isolation_and_every_row(d, monkeypatch):
-    """NaN or inf in one sequence's q, k, v, dout leaves the others' dK, dV bit for bit (a query
-    tile past a chunk's end holds the next sequence's rows: zeroed before use); outputs
-    allocated full of NaN get every key row written, zero where no query sees the key; and
-    head-major views (transformers' storage) give the contiguous bits."""
+def test_gluon_backward_isolation_and_every_row(d, monkeypatch):
+    """NaN or inf in one sequence's q, k, v, dout leaves the others' gradients bit for bit (a
+    dK/dV query tile past a chunk's end holds the next sequence's rows: zeroed before use; dQ's
+    last key tile is read shifted back); outputs allocated full of NaN get every row written,
+    zero where no query sees a key; and head-major views (transformers' storage) give the
+    contiguous bits."""
     calls = _gluon_calls(monkeypatch)
-    batch = sa.Batch([sa.Seq(q_len=45, kv_len=170), sa.Seq(q_len=1, kv_len=21), sa.Seq(77, causal=False),
-                      sa.Seq(33, spans=[(3, 20)])])  # fmt: skip
+    batch = sa.Batch([sa.Seq(q_len=45, kv_len=170), sa.Seq(q_len=1, kv_len=71), sa.Seq(77, causal=False),
+                      sa.Seq(133, spans=[(3, 20)])])  # fmt: skip
     p = sa.plan(batch, sa.LayerMask(window=40, spans="clamp"), device=DEV)
     q, k, v, dout, _ = inputs(p, 4, 2, d=d, dtype=torch.bfloat16)
     clean = grads(p, q, k, v, dout, gluon=True)
@@ -320,8 +332,9 @@ def test_gluon_dkdv_isolation_and_every_row(d, monkeypatch):
             t[rows] = poison
         dirty = grads(p, *bad, gluon=True)
         for i in (i for i in range(p.num_seqs) if i != victim):
-            kr = slice(cu_k[i], cu_k[i + 1])
-            assert bitwise_equal(clean[1][kr], dirty[1][kr]) and bitwise_equal(clean[2][kr], dirty[2][kr])
+            qr, kr = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+            for name, a, b, r in zip(("dq", "dk", "dv"), clean, dirty, (qr, kr, kr)):
+                assert bitwise_equal(a[r], b[r]), f"{poison} in sequence {victim}: sequence {i}'s {name}"
     scale = d**-0.5
     out, lse = tb.forward(q, k, v, p, scale=scale, return_lse=True, kernel="prefill")
     empty = torch.empty
@@ -329,11 +342,10 @@ def test_gluon_dkdv_isolation_and_every_row(d, monkeypatch):
                         if kw.get("dtype", torch.float32).is_floating_point else empty(*a, **kw))  # fmt: skip
     poisoned = backward(q, k, v, out, lse, dout, p, scale=scale, gluon=True)
     monkeypatch.setattr(torch, "empty", empty)
-    assert all(bitwise_equal(a, b) for a, b in zip(clean[1:], poisoned[1:]))
-    assert float(clean[1][: cu_k[1]][: 170 - 45 - 40].abs().max()) == 0.0  # cached keys behind the window
+    assert all(bitwise_equal(a, b) for a, b in zip(clean, poisoned))
+    assert float(clean[1][: 170 - 45 - 40].abs().max()) == 0.0  # cached keys behind the window
     head_major = lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)
-    views = backward(
-        *(head_major(t) for t in (q, k, v, out)), lse, head_major(dout), p, scale=scale, gluon=True
-    )
-    assert all(bitwise_equal(a, b) for a, b in zip(clean[1:], views[1:]))
-    assert len(calls) == 6
+    q_h, k_h, v_h, out_h, dout_h = (head_major(t) for t in (q, k, v, out, dout))
+    views = backward(q_h, k_h, v_h, out_h, lse, dout_h, p, scale=scale, gluon=True)
+    assert all(bitwise_equal(a, b) for a, b in zip(clean, views))
+    assert calls == {"dkdv": 6, "dq": 6}, calls

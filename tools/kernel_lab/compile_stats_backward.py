@@ -7,7 +7,7 @@ shared memory. compile_stats.py's filter for the forward, for the backward's til
     python tools/kernel_lab/compile_stats_backward.py --dims 128 --groups clamp --softcap
     python tools/kernel_lab/compile_stats_backward.py --fp32                              # fp32's tiles
     python tools/kernel_lab/compile_stats_backward.py --dims 128 --dkdv 32,64,8,2 --dq 64,64,8,2
-    python tools/kernel_lab/compile_stats_backward.py --gluon    # kernel_gluon_dkdv, one JSON line a variant
+    python tools/kernel_lab/compile_stats_backward.py --gluon    # the Gluon kernels, one JSON line a variant
 
 A config is BLOCK_M,BLOCK_N,num_warps,num_stages[,dv_split]; arguments are specialized as a real
 launch's (16-divisible pointers and strides, Hq 16 / Hkv 8).
@@ -58,6 +58,39 @@ def stats(fn, cfg: Config, d: int, n_info: int, groups: str, softcap: bool, fp32
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     # Hopper's wgmma needs 64 rows a warpgroup; smaller tiles get the older mma instructions
+    return {**_report(kernel), "wgmma": "HGMMA" in sass(kernel.asm["cubin"])}
+
+
+def gluon_dq_stats(d: int, softcap: bool = False) -> dict:
+    """kernel_gluon_dq's report at head_dim ``d`` (bf16, Hq 16 / Hkv 8)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from spanattn.backends.triton import gluon_parts as parts
+    from spanattn.backends.triton import kernel_gluon_dq as g
+
+    block_n, stages = g.TILES[d]
+
+    def desc(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {d}],{layout!r}>"
+
+    sig = {}
+    for name, param in inspect.signature(g.attn_bwd_dq_gluon.fn).parameters.items():
+        if param.annotation is not inspect.Parameter.empty:
+            sig[name] = "constexpr"
+        elif name.endswith("_desc"):
+            sig[name] = desc(block_n if name in ("k_desc", "v_desc") else g.ROWS.value)
+        elif name.startswith("stride_") or "_head_" in name:
+            sig[name] = "i32"
+        else:
+            sig[name] = FLOATS.get(name, "*i32")
+    const = {
+        "HQ": 16, "GROUP": 2, "HEAD_DIM": d, "BLOCK_N": block_n, "STAGES": stages, "SOFTCAP": softcap,
+        "N_INFO": len(INFO), "CONSUMER_REGS": parts.CONSUMER_REGS, "PRODUCER_REGS": parts.PRODUCER_REGS,
+    }  # fmt: skip
+    src = GluonASTSource(fn=g.attn_bwd_dq_gluon, signature=sig, constexprs=const, attrs=divisible(sig))
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     return {**_report(kernel), "wgmma": "HGMMA" in sass(kernel.asm["cubin"])}
 
 
@@ -113,15 +146,17 @@ def main():
     ap.add_argument("--groups", default="", choices=["", "on", "clamp"])
     ap.add_argument("--softcap", action="store_true")
     ap.add_argument("--fp32", action="store_true", help="fp32 inputs (pick_backward's fp32 tiles)")
-    ap.add_argument("--gluon", action="store_true", help="kernel_gluon_dkdv at its head_dims, softcap off/on")
+    ap.add_argument("--gluon", action="store_true", help="Gluon kernels, softcap off/on")
     args = ap.parse_args()
     if args.gluon:
         from spanattn.backends.triton.kernel_gluon_dkdv import HEAD_DIMS
 
-        for d in HEAD_DIMS:
-            for softcap in (False, True):
-                r = gluon_stats(d, softcap)
-                print(json.dumps({"d": d, "softcap": softcap, **{k: r[k] for k in REPORTED}}), flush=True)
+        for kernel, stats_of in (("dkdv", gluon_stats), ("dq", gluon_dq_stats)):
+            for d in HEAD_DIMS:
+                for softcap in (False, True):
+                    r = stats_of(d, softcap)
+                    row = {"kernel": kernel, "d": d, "softcap": softcap, **{k: r[k] for k in REPORTED}}
+                    print(json.dumps(row), flush=True)
         return
     print("kernel d (block_m, block_n, warps, stages, split) shared_bytes wgmma registers spill_stores_bytes")
     for d in (int(x) for x in args.dims.split(",")):

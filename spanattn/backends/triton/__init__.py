@@ -228,11 +228,12 @@ def prepare(plan, head_dim: int, dtype: torch.dtype = torch.bfloat16, group: int
 
 
 def gluon_backward_runs(plan, head_dim: int, dtype: torch.dtype) -> bool:
-    """Does the backward's dK/dV pass run on kernel_gluon_dkdv (where TMA can read q, k, v and
-    dO)? Hopper, bf16/fp16, the head_dims it is built for, no span groups, and asked for with
-    ``SPANATTN_TRITON_GLUON=1``: the kernels compile for sm_90 without spills and keep their
-    wgmma asynchronous (tests/test_kernels_compile.py), but have not yet been run on a GPU, so
-    they are off until their GPU tests (tests/test_triton_backward.py) have passed there."""
+    """Does the backward run on kernel_gluon_dkdv and kernel_gluon_dq (where TMA can read q, k, v
+    and dO; dQ where every sequence is a key tile long)? Hopper, bf16/fp16, the head_dims they
+    are built for, no span groups, and asked for with ``SPANATTN_TRITON_GLUON=1``: the kernels
+    compile for sm_90 and keep their wgmma asynchronous (tests/test_kernels_compile.py), but
+    have not yet been run on a GPU, so they are off until their GPU tests
+    (tests/test_triton_backward.py) have passed there."""
     if plan.groups is not None or dtype not in (torch.bfloat16, torch.float16):
         return False
     device = torch.device(plan.device)
@@ -252,7 +253,11 @@ def _prepare_backward(plan, head_dim: int, dtype: torch.dtype, interpreted: bool
         dkdv = Config(block_m, block_n, 4, stages)
     if plan.capacity is None:
         key_schedule(plan, dkdv.block_m, dkdv.block_n)
-        tile_schedule(plan, dq.block_m, dq.block_n)
+        gdq = _gluon_module("kernel_gluon_dq") if gluon_backward_runs(plan, head_dim, dtype) else None
+        if gdq is not None and gdq.fits(plan, head_dim):
+            tile_schedule(plan, gdq.BLOCK_M, gdq.TILES[head_dim][0])
+        else:
+            tile_schedule(plan, dq.block_m, dq.block_n)
         return
     from .schedule import build_device_schedule
 

@@ -48,8 +48,9 @@ def backward(
         copied once, and so are tensors with a zero stride, such as a gradient expanded from a
         sum).
     config: ``(dK/dV, dQ)`` tiles instead of ``configs.pick_backward``'s (tests).
-    gluon: run dK/dV on kernel_gluon_dkdv (Hopper; ``gluon_backward_runs`` said so) where TMA can
-        read q, k, v and dout; kernel_dkdv.py otherwise.
+    gluon: run dK/dV on kernel_gluon_dkdv and dQ on kernel_gluon_dq (Hopper;
+        ``gluon_backward_runs`` said so) where TMA can read q, k, v and dout (and for dQ, every
+        sequence is a key tile long); kernel_dkdv.py and kernel_dq.py otherwise.
     Returns dq like q, dk like k, dv like v (dtype and shape; contiguous), accumulated in fp32.
     """
     q, k, v, out, dout = (_readable(t) for t in (q, k, v, out, dout))
@@ -71,8 +72,10 @@ def backward(
     alloc = torch.empty if plan.capacity is None else torch.zeros
     like = lambda t: alloc(t.shape, dtype=t.dtype, device=t.device)
     dk, dv = like(k), like(v)
-    if gluon and config is None and plan.groups is None and _gluon_reads(q, k, v, dout):
+    gluon = gluon and config is None and plan.groups is None and _gluon_reads(q, k, v, dout)
+    if gluon:  # imported on first use, as the forward's Gluon kernels
         from . import kernel_gluon_dkdv as g
+        from . import kernel_gluon_dq as gdq
 
         keys = key_schedule(plan, *g.TILES[d][:2])
         g.dkdv(q, k, v, dout, lse2, delta, dk, dv, plan, keys, qk_scale=qk_scale, softcap_log2=softcap_log2,
@@ -88,13 +91,18 @@ def backward(
         )  # fmt: skip
 
     dq = like(q)
-    tiles = tile_schedule(plan, dq_cfg.block_m, dq_cfg.block_n)
-    kernel_dq.attn_bwd_dq[(tiles.num_tiles * hq * dq_cfg.dv_split,)](
-        q, k, v, dout, lse2, delta, dq, plan.lo, plan.hi, tiles.info, *group_args(plan, dq_cfg.block_n),
-        *strides, dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), qk_scale, softcap_log2, scale,
-        BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, SPLIT=dq_cfg.dv_split, N_INFO=len(INFO),
-        num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, **shared,
-    )  # fmt: skip
+    if gluon and gdq.fits(plan, d):
+        tiles = tile_schedule(plan, gdq.BLOCK_M, gdq.TILES[d][0])
+        gdq.dq(q, k, v, dout, lse2, delta, dq, plan, tiles, qk_scale=qk_scale, softcap_log2=softcap_log2,
+               scale=scale, softcap=bool(softcap))  # fmt: skip
+    else:
+        tiles = tile_schedule(plan, dq_cfg.block_m, dq_cfg.block_n)
+        kernel_dq.attn_bwd_dq[(tiles.num_tiles * hq * dq_cfg.dv_split,)](
+            q, k, v, dout, lse2, delta, dq, plan.lo, plan.hi, tiles.info, *group_args(plan, dq_cfg.block_n),
+            *strides, dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), qk_scale, softcap_log2,
+            scale, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, SPLIT=dq_cfg.dv_split, N_INFO=len(INFO),
+            num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, **shared,
+        )  # fmt: skip
     return dq, dk, dv
 
 

@@ -131,9 +131,9 @@ def _load_queries(q_desc, do_desc, q_smem, do_smem, bar, slot, row, head, q_head
 
 @gluon.jit
 def score_grads(s, dp, lse2, delta, qk_scale, softcap_log2, SOFTCAP: gl.constexpr):
-    """bwd_scores.score_grads on a transposed tile (keys x queries; ``lse2``, ``delta`` per query)."""
-    lse2 = gl.expand_dims(lse2, 0)
-    delta = gl.expand_dims(delta, 0)
+    """bwd_scores.score_grads in Gluon: ``p`` and ``ds`` of a tile of raw scores, ``lse2`` and
+    ``delta`` broadcast along the tile's keys (this kernel's tiles are transposed, kernel_gluon_dq's
+    are not)."""
     if SOFTCAP:
         r = 2.0 / (gl.exp2(s * (qk_scale * 2.8853900817779268)) + 1.0)
         p = gl.exp2((1.0 - r) * softcap_log2 - lse2)
@@ -168,7 +168,8 @@ def tile_grads(s, dp, m, lse2, delta, rows, row_ok, LO, HI, kv_idx, full_start, 
     """``p^T`` and ``ds^T`` of one tile as the A operands of dV's and dK's products; masked
     outside the FULL query tiles by the rows' intervals, read there (a thread holds 16 of the
     tile's columns: per-query values cost 16 registers each; rows past the chunk see nothing)."""
-    p, ds = score_grads(s, dp, lse2, delta, qk_scale, softcap_log2, SOFTCAP)
+    p, ds = score_grads(s, dp, gl.expand_dims(lse2, 0), gl.expand_dims(delta, 0), qk_scale, softcap_log2,
+                        SOFTCAP)  # fmt: skip
     if (m < full_start) | (m + BLOCK_M > full_end):
         lo = gl.load(LO + rows)
         hi = gl.where(row_ok, gl.load(HI + rows), -1)
@@ -276,7 +277,7 @@ def attn_bwd_dkdv_gluon(
     # fmt: on
 
 
-def _descriptor(t: torch.Tensor, rows: int, cols: int):
+def descriptor(t: torch.Tensor, rows: int, cols: int):
     """A host TMA descriptor of ``t [tokens, heads, D]`` read in ``rows x cols`` boxes, and the
     (rows, columns) a head moves in its matrix (tma_layout)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -301,10 +302,10 @@ def dkdv(q, k, v, dout, lse2, delta, dk, dv, plan, keys, *, qk_scale, softcap_lo
         from .kernel_gluon_dkdv_split import attn_bwd_dkdv_gluon_split
 
         kernel, cols = attn_bwd_dkdv_gluon_split, d // 2
-    qd, q_hr, q_hc = _descriptor(q, block_m, cols)
-    dod, do_hr, do_hc = _descriptor(dout, block_m, cols)
-    kd, k_hr, k_hc = _descriptor(k, block_n, cols)
-    vd, _, _ = _descriptor(v, block_n, cols)
+    qd, q_hr, q_hc = descriptor(q, block_m, cols)
+    dod, do_hr, do_hc = descriptor(dout, block_m, cols)
+    kd, k_hr, k_hc = descriptor(k, block_n, cols)
+    vd, _, _ = descriptor(v, block_n, cols)
     kernel[(keys.num_tiles * hkv,)](
         qd, dod, kd, vd, lse2, delta, plan.lo, plan.hi, keys.info, dk, dv, dk.stride(0), dk.stride(1),
         dv.stride(0), dv.stride(1), qk_scale, softcap_log2, scale, q_hr, q_hc, do_hr, do_hc, k_hr, k_hc,

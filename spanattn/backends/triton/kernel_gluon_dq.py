@@ -1,0 +1,202 @@
+"""The backward's dQ pass in Gluon for Hopper at head_dim 128 and 256: kernel_dq.py's walk (one
+program per 128-query tile of the forward's schedule and query head, the key tiles the forward
+walks, FULL tiles unmasked; each dQ element written by one program) laid out as the forward's
+kernel_gluon.py: a one-warp producer loads the tile's Q and dO once and streams K and V tiles by
+TMA into a ring of ``STAGES`` slots, and two 4-warp consumers own 64 query rows each. Per key
+tile a consumer issues ``s = Q K^T`` and ``dp = dO V^T`` (wgmma, operands in shared memory),
+forms ``ds`` as bwd_scores.py says and issues ``dq += ds K`` with ``ds`` from registers; a slot
+goes back once both consumers' products on it are done.
+
+Isolation as the forward's: the key tile across the sequence's end is read shifted back to end
+with it (its keys below the tile's first are masked: seen already), so no key of another
+sequence enters a product, which needs every sequence at least a key tile long (the caller
+checks); query rows past the sequence's end are rows of dq of their own, never stored. Span
+groups are not walked here (kernel_dq.py serves them).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .columns import FULL_END, FULL_START, INFO, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST
+from .gluon_compat import tma_load
+from .gluon_parts import CONSUMER_REGS, PRODUCER_REGS, in_interval
+from .kernel_gluon_dkdv import descriptor, score_grads
+
+ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
+BLOCK_M = 2 * ROWS.value  # query rows per program
+# Per head_dim: keys per tile, K and V slots. d128: Q and dO's 64 KB and 3 x 32 KB; d256: 128 KB
+# and 2 x 32 KB.
+TILES = {128: (64, 3), 256: (32, 2)}
+HEAD_DIMS = tuple(TILES)
+
+
+@gluon.jit
+def _tile_info(TILE_INFO, N_INFO: gl.constexpr, HQ: gl.constexpr, BLOCK_N: gl.constexpr):
+    """This program's query tile and head, and its walk (columns.INFO): ``n_tiles`` key tiles
+    from ``kv_start``, FULL in ``[full_start, full_end)``, the last read from ``tma_last``."""
+    pid = gl.program_id(0)
+    info = TILE_INFO + (pid // HQ) * N_INFO
+    q_row0 = gl.load(info + Q_ROW0)
+    q_row_last = gl.load(info + Q_ROW_LAST)
+    k_row0 = gl.load(info + K_ROW0)
+    kv_len = gl.load(info + KV_LEN)
+    kv_start = gl.load(info + KV_START)
+    kv_end = gl.load(info + KV_END)
+    full_start = gl.load(info + FULL_START)
+    full_end = gl.load(info + FULL_END)
+    n_tiles = (kv_end - kv_start + BLOCK_N - 1) // BLOCK_N
+    return pid % HQ, q_row0, q_row_last, k_row0, kv_len, kv_start, n_tiles, full_start, full_end
+
+
+@gluon.jit
+def _produce(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, done,
+             TILE_INFO, q_head_rows, q_head_cols, do_head_rows, do_head_cols, kv_head_rows, kv_head_cols,
+             HQ: gl.constexpr, GROUP: gl.constexpr, N_INFO: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr):  # fmt: skip
+    """The producer warp: Q and dO of the tile (two 64-row boxes each), then K and V tile ``t``
+    of the walk into slot ``t % STAGES`` once both consumers are done with tile ``t - STAGES``.
+    Rows of Q and dO past the sequence's end are the next rows (never stored)."""
+    head, q_row0, _, k_row0, kv_len, kv_start, n_tiles, _, _ = _tile_info(TILE_INFO, N_INFO, HQ, BLOCK_N)
+    mbarrier.expect(q_bar, 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
+    for j in gl.static_range(2):
+        row = q_row0 + j * ROWS
+        tma_load(q_desc, [row + head * q_head_rows, head * q_head_cols], q_bar, q_smem.index(j))
+        tma_load(do_desc, [row + head * do_head_rows, head * do_head_cols], q_bar, do_smem.index(j))
+    kv_head = head // GROUP
+    kv_row = k_row0 + kv_head * kv_head_rows
+    tile_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    for t in range(n_tiles):
+        slot = t % STAGES
+        mbarrier.wait(done.index(slot), (t // STAGES - 1) & 1, pred=t >= STAGES)
+        # the tile across the sequence's end shifted back to end with it
+        at = [kv_row + gl.minimum(kv_start + t * BLOCK_N, kv_len - BLOCK_N), kv_head * kv_head_cols]
+        mbarrier.expect(ready.index(slot), tile_bytes)
+        tma_load(k_desc, at, ready.index(slot), k_smem.index(slot))
+        tma_load(v_desc, at, ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _consume(PART: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, ready, done, TILE_INFO, LSE2,
+             DELTA, LO, HI, DQ, stride_dqt, stride_dqh, qk_scale, softcap_log2, scale, HQ: gl.constexpr,
+             N_INFO: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             SOFTCAP: gl.constexpr):  # fmt: skip
+    """Query rows ``PART * 64 ...`` of the tile: their dq over the walk, stored at the end. Within
+    a warpgroup a tile's product waits for its math and the next tile's scores for it; the other
+    consumer's MMAs fill the tensor cores meanwhile."""
+    head, q_row0, q_row_last, k_row0, kv_len, kv_start, n_tiles, full_start, full_end = _tile_info(
+        TILE_INFO, N_INFO, HQ, BLOCK_N
+    )
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    # Rows past the sequence's end copy the last row's interval and statistics (as the forward's):
+    # finite work on rows never stored. A program with no walk reads row 0's.
+    row = q_row0 + PART * ROWS + gl.arange(0, ROWS, layout=rows_s)
+    q_idx = gl.maximum(gl.minimum(row, q_row_last), 0)
+    lo = gl.load(LO + q_idx)
+    hi = gl.load(HI + q_idx)
+    lse2 = gl.expand_dims(gl.load(LSE2 + q_idx * HQ + head), 1)
+    delta = gl.expand_dims(gl.load(DELTA + q_idx * HQ + head), 1)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    tma_last = kv_len - BLOCK_N
+    q = q_smem.index(PART)
+    do = do_smem.index(PART)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    mbarrier.wait(q_bar, 0)  # also with no walk: the loads land before the program ends
+    for t in range(n_tiles):
+        slot = t % STAGES
+        n = kv_start + t * BLOCK_N
+        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+        k = k_smem.index(slot)
+        s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s, dp = warpgroup_mma_wait(num_outstanding=0, deps=[s, dp])
+        _, ds = score_grads(s, dp, lse2, delta, qk_scale, softcap_log2, SOFTCAP)
+        if (n < full_start) | (n + BLOCK_N > full_end):
+            ds = gl.where(in_interval(n, lo, hi, offs_n, tma_last), ds, 0.0)
+        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k, dq, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
+        mbarrier.arrive(done.index(slot))
+    dq = dq * scale
+    out_rows = q_row0 + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    ptrs = DQ + gl.expand_dims(out_rows.to(gl.int64) * stride_dqt, 1) + head * stride_dqh
+    ptrs += gl.expand_dims(offs_d, 0)
+    gl.store(ptrs, dq.to(DQ.dtype.element_ty), mask=gl.expand_dims(out_rows <= q_row_last, 1))
+
+
+@gluon.jit
+def attn_bwd_dq_gluon(
+    q_desc, do_desc, k_desc, v_desc, LSE2, DELTA, LO, HI, TILE_INFO, DQ, stride_dqt, stride_dqh, qk_scale,
+    softcap_log2, scale, q_head_rows, q_head_cols, do_head_rows, do_head_cols, kv_head_rows, kv_head_cols,
+    HQ: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, SOFTCAP: gl.constexpr, N_INFO: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+):  # fmt: skip
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(done.index(i), count=2)
+    # fmt: off
+    gl.warp_specialize(
+        [(_consume, (0, q_smem, do_smem, k_smem, v_smem, q_bar, ready, done, TILE_INFO, LSE2, DELTA, LO, HI,
+                     DQ, stride_dqt, stride_dqh, qk_scale, softcap_log2, scale, HQ, N_INFO, HEAD_DIM, BLOCK_N,
+                     STAGES, SOFTCAP)),
+         (_consume, (1, q_smem, do_smem, k_smem, v_smem, q_bar, ready, done, TILE_INFO, LSE2, DELTA, LO, HI,
+                     DQ, stride_dqt, stride_dqh, qk_scale, softcap_log2, scale, HQ, N_INFO, HEAD_DIM, BLOCK_N,
+                     STAGES, SOFTCAP)),
+         (_produce, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, done,
+                     TILE_INFO, q_head_rows, q_head_cols, do_head_rows, do_head_cols, kv_head_rows,
+                     kv_head_cols, HQ, GROUP, N_INFO, BLOCK_N, STAGES))],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
+    # fmt: on
+
+
+def dq(q, k, v, dout, lse2, delta, dq_out, plan, tiles, *, qk_scale, softcap_log2, scale, softcap) -> None:
+    """dQ into ``dq_out`` over the forward's schedule ``tiles`` (``BLOCK_M x TILES[head_dim][0]``);
+    every tensor as gradients.backward has it, TMA-readable, every sequence at least a key tile
+    long (gradients._gluon_dq)."""
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k.shape[1]
+    block_n, stages = TILES[d]
+    assert (tiles.block_m, tiles.block_n) == (BLOCK_M, block_n)
+    qd, q_hr, q_hc = descriptor(q, ROWS.value, d)
+    dod, do_hr, do_hc = descriptor(dout, ROWS.value, d)
+    kd, k_hr, k_hc = descriptor(k, block_n, d)
+    vd, _, _ = descriptor(v, block_n, d)
+    attn_bwd_dq_gluon[(tiles.num_tiles * hq,)](
+        qd, dod, kd, vd, lse2, delta, plan.lo, plan.hi, tiles.info, dq_out, dq_out.stride(0),
+        dq_out.stride(1), qk_scale, softcap_log2, scale, q_hr, q_hc, do_hr, do_hc, k_hr, k_hc, HQ=hq,
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, SOFTCAP=softcap, N_INFO=len(INFO),
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+    )  # fmt: skip
+
+
+def fits(plan, d: int) -> bool:
+    """Is every sequence of the plan at least a key tile long (the shifted last tile)? Host
+    plans only: a device plan's lengths live on the device."""
+    return plan.capacity is None and plan.min_seqlen_k >= TILES[d][0]
