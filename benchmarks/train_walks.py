@@ -95,6 +95,39 @@ def _gluon_asked(fn):
     return run
 
 
+def _fa4_mask_mod(d: int):
+    """FA4's non-varlen kernel over the packed step as one sequence with the interval
+    ``mask_mod`` (spanattn.backends.fa4's), no block sparsity, and its backward: what FA4 trains a
+    step like this with, lacking our tables. A row's keys are ``[cu_k + lo, cu_k + hi]`` of the
+    packed keys (nothing across sequences), as ``[lo, width]``; empty rows never match."""
+    from spanattn.backends.fa4 import EMPTY_LO, _interval_mask_mod
+
+    def runs(q, p):
+        if q.device.type != "cuda" or d > 256:
+            return "FA4's Hopper backward takes head_dim up to 256 on a GPU"
+        try:
+            import flash_attn.cute  # noqa: F401
+        except ImportError as e:
+            return f"flash-attn-4 is not installed ({e})"
+        return None
+
+    def aux(p):
+        seq = torch.repeat_interleave(torch.arange(p.num_seqs, device=p.lo.device), p.cu_seqlens_q.diff())
+        real = p.hi >= p.lo
+        lo = torch.where(real, p.cu_seqlens_k[seq] + p.lo, EMPTY_LO).to(torch.int32)
+        return [lo, torch.where(real, p.hi - p.lo, 0).to(torch.int32)]
+
+    def step(q, k, v, p):
+        from flash_attn.cute import flash_attn_func
+
+        tensors = p.cached(("train_walks.fa4_mask_mod",), lambda: aux(p))
+        out = flash_attn_func(q[None], k[None], v[None], softmax_scale=d**-0.5, causal=False,
+                              mask_mod=_interval_mask_mod(), aux_tensors=tensors)  # fmt: skip
+        return (out[0] if isinstance(out, tuple) else out)[0]
+
+    return runs, step
+
+
 def contenders(d: int, device: str) -> dict:
     """name -> (why it cannot train the step or None, step): what this machine can time
     (``triton+gluon-bwd``: triton with its Gluon backward asked for, timed and checked so)."""
@@ -103,6 +136,7 @@ def contenders(d: int, device: str) -> dict:
     if device == "cuda":
         trains, step = _backend("triton", d)
         out["triton+gluon-bwd"] = (trains, _gluon_asked(step))
+        out["fa4 mask_mod"] = _fa4_mask_mod(d)
     if device == "cuda" and d == 512:
         out["sdpa causal"] = _sdpa_causal(d)
     return out
@@ -158,7 +192,13 @@ def run_case(sid: str, d: int, args, device: str, dtype) -> dict:
             row["contenders"][name] = {"status": f"cannot train this step: {why}"}
             continue
         ours = name if name in sa.backends.BACKENDS else None
-        entry = row["contenders"][name] = {"check": _check(trains, step, small, d, dtype, device, ours)}
+        try:
+            entry = row["contenders"][name] = {"check": _check(trains, step, small, d, dtype, device, ours)}
+        except Exception as e:  # a peer that fails on the step: recorded, not timed
+            if ours:
+                raise
+            row["contenders"][name] = {"status": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            continue
         if entry["check"].get("ok") is False:
             continue
         fwd_bwd = lambda s=step: torch.autograd.grad(s(q, k, v, p), (q, k, v), dout)
