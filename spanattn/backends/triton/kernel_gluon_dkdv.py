@@ -187,10 +187,7 @@ def _consume(PART: gl.constexpr, q_smem, do_smem, k_smem, v_smem, kv_bar, ready,
              N_INFO: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
              STAGES: gl.constexpr, SOFTCAP: gl.constexpr):  # fmt: skip
     """Keys ``PART * 64 ...`` of the tile: their dK and dV over the walk's ``GROUP * n_q`` tiles,
-    stored at the end. Within a warpgroup a tile's products wait for its scores' math and the
-    next tile's scores for its products (holding one tile's ``p^T``, ``ds^T`` in flight beside the
-    next one's scores serialized every wgmma for want of registers); the other consumer's MMAs
-    fill the tensor cores meanwhile."""
+    stored at the end."""
     kv_head, k_row0, kv_len, n_start, q_row0, q_len, q_start, n_q, full_start, full_end = tile_info(
         KEY_TILE_INFO, N_INFO, HKV, BLOCK_M
     )
@@ -209,23 +206,44 @@ def _consume(PART: gl.constexpr, q_smem, do_smem, k_smem, v_smem, kv_bar, ready,
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=o_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=o_layout)
+    total = GROUP * n_q
+    live = total > 0
     mbarrier.wait(kv_bar, 0)  # also with no walk: the loads land before the program ends
-    for c in range(GROUP * n_q):
+    # Tile c's dV, dK products are issued after tile c + 1's scores and run under its math: the
+    # first tile's scores come alone, the last tile's products after the loop. No `if` around
+    # them (ptxas serializes a pipeline's wgmma inside a branch): with no walk they run on
+    # whatever the slots hold and are discarded.
+    mbarrier.wait(ready.index(0), 0, pred=live)
+    s = warpgroup_mma(k_part, q_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp = warpgroup_mma(v_part, do_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    m, lse2, delta, rows, row_ok = query_rows(0, gl.maximum(n_q, 1), kv_head, q_start, q_len, q_row0, offs_m,
+                                              LSE2, DELTA, HQ, GROUP, BLOCK_M)  # fmt: skip
+    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=[s, dp])
+    p_a, ds_a = tile_grads(s, dp, m, lse2, delta, rows, row_ok, LO, HI, kv_idx, full_start, full_end,
+                           qk_scale, softcap_log2, a_layout, dtype, BLOCK_M, SOFTCAP)  # fmt: skip
+    for c in range(1, total):
         slot = c % STAGES
+        prev = (c - 1) % STAGES
         mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
         q = q_smem.index(slot)
         do = do_smem.index(slot)
         s = warpgroup_mma(k_part, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp = warpgroup_mma(v_part, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dv = warpgroup_mma(p_a, do_smem.index(prev), dv, is_async=True)
+        dk = warpgroup_mma(ds_a, q_smem.index(prev), dk, is_async=True)
         m, lse2, delta, rows, row_ok = query_rows(c, n_q, kv_head, q_start, q_len, q_row0, offs_m, LSE2,
                                                   DELTA, HQ, GROUP, BLOCK_M)  # fmt: skip
-        s, dp = warpgroup_mma_wait(num_outstanding=0, deps=[s, dp])
+        s, dp = warpgroup_mma_wait(num_outstanding=2, deps=[s, dp])
         p_a, ds_a = tile_grads(s, dp, m, lse2, delta, rows, row_ok, LO, HI, kv_idx, full_start, full_end,
-                           qk_scale, softcap_log2, a_layout, dtype, BLOCK_M, SOFTCAP)  # fmt: skip
-        dv = warpgroup_mma(p_a, do, dv, is_async=True)
-        dk = warpgroup_mma(ds_a, q, dk, is_async=True)
+                               qk_scale, softcap_log2, a_layout, dtype, BLOCK_M, SOFTCAP)  # fmt: skip
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
-        mbarrier.arrive(done.index(slot))
+        mbarrier.arrive(done.index(prev))
+    last = gl.maximum(total - 1, 0) % STAGES
+    dv = warpgroup_mma(p_a, do_smem.index(last), dv, is_async=True)
+    dk = warpgroup_mma(ds_a, q_smem.index(last), dk, is_async=True)
+    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
+    dv = gl.where(live, dv, 0.0)
+    dk = gl.where(live, dk, 0.0)
     dk = dk * scale
     # Every key row of the sequence is stored, zero where no query sees it.
     out_keys = n_start + PART * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, o_layout))

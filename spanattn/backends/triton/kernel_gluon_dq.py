@@ -83,13 +83,23 @@ def _produce(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q
 
 
 @gluon.jit
+def _ds(s, dp, n, lo, hi, lse2, delta, offs_n, full_start, full_end, tma_last, qk_scale, softcap_log2,
+        a_layout: gl.constexpr, dtype: gl.constexpr, BLOCK_N: gl.constexpr,
+        SOFTCAP: gl.constexpr):  # fmt: skip
+    """``ds`` of key tile ``n ...`` as the A operand of its dq product, masked outside the FULL
+    tiles (the shifted last tile by its true key indices)."""
+    _, ds = score_grads(s, dp, lse2, delta, qk_scale, softcap_log2, SOFTCAP)
+    if (n < full_start) | (n + BLOCK_N > full_end):
+        ds = gl.where(in_interval(n, lo, hi, offs_n, tma_last), ds, 0.0)
+    return gl.convert_layout(ds.to(dtype), a_layout)
+
+
+@gluon.jit
 def _consume(PART: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, ready, done, TILE_INFO, LSE2,
              DELTA, LO, HI, DQ, stride_dqt, stride_dqh, qk_scale, softcap_log2, scale, HQ: gl.constexpr,
              N_INFO: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              SOFTCAP: gl.constexpr):  # fmt: skip
-    """Query rows ``PART * 64 ...`` of the tile: their dq over the walk, stored at the end. Within
-    a warpgroup a tile's product waits for its math and the next tile's scores for it; the other
-    consumer's MMAs fill the tensor cores meanwhile."""
+    """Query rows ``PART * 64 ...`` of the tile: their dq over the walk, stored at the end."""
     head, q_row0, q_row_last, k_row0, kv_len, kv_start, n_tiles, full_start, full_end = _tile_info(
         TILE_INFO, N_INFO, HQ, BLOCK_N
     )
@@ -116,21 +126,34 @@ def _consume(PART: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, ready, 
     do = do_smem.index(PART)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    live = n_tiles > 0
     mbarrier.wait(q_bar, 0)  # also with no walk: the loads land before the program ends
-    for t in range(n_tiles):
+    # Tile t's dq product is issued after tile t + 1's scores and runs under its math (as the
+    # forward's P @ V): the first tile's scores come alone, the last product after the loop, with
+    # no `if` around them (ptxas serializes a pipeline's wgmma inside a branch): with no walk they
+    # run on whatever the slots hold and are discarded.
+    mbarrier.wait(ready.index(0), 0, pred=live)
+    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp = warpgroup_mma(do, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=[s, dp])
+    ds_a = _ds(s, dp, kv_start, lo, hi, lse2, delta, offs_n, full_start, full_end, tma_last, qk_scale,
+               softcap_log2, a_layout, dtype, BLOCK_N, SOFTCAP)  # fmt: skip
+    for t in range(1, n_tiles):
         slot = t % STAGES
-        n = kv_start + t * BLOCK_N
+        prev = (t - 1) % STAGES
         mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
-        k = k_smem.index(slot)
-        s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp = warpgroup_mma(do, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s, dp = warpgroup_mma_wait(num_outstanding=0, deps=[s, dp])
-        _, ds = score_grads(s, dp, lse2, delta, qk_scale, softcap_log2, SOFTCAP)
-        if (n < full_start) | (n + BLOCK_N > full_end):
-            ds = gl.where(in_interval(n, lo, hi, offs_n, tma_last), ds, 0.0)
-        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k, dq, is_async=True)
+        dq = warpgroup_mma(ds_a, k_smem.index(prev), dq, is_async=True)
+        s, dp = warpgroup_mma_wait(num_outstanding=1, deps=[s, dp])
+        ds_a = _ds(s, dp, kv_start + t * BLOCK_N, lo, hi, lse2, delta, offs_n, full_start, full_end, tma_last,
+                   qk_scale, softcap_log2, a_layout, dtype, BLOCK_N, SOFTCAP)  # fmt: skip
         dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
-        mbarrier.arrive(done.index(slot))
+        mbarrier.arrive(done.index(prev))
+    last = gl.maximum(n_tiles - 1, 0) % STAGES
+    dq = warpgroup_mma(ds_a, k_smem.index(last), dq, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
+    dq = gl.where(live, dq, 0.0)
     dq = dq * scale
     out_rows = q_row0 + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
