@@ -155,7 +155,7 @@ def query_rows(c, n_q, kv_head, q_start, q_len, q_row0, offs_m, LSE2, DELTA, HQ:
     head = kv_head * GROUP + h
     q_local = m + offs_m
     row_ok = q_local < q_len
-    rows = q_row0 + gl.minimum(q_local, q_len - 1)
+    rows = q_row0 + gl.maximum(gl.minimum(q_local, q_len - 1), 0)  # a device plan's empty tile: q_len 0
     lse2 = gl.load(LSE2 + rows * HQ + head, mask=row_ok, other=0.0)
     delta = gl.load(DELTA + rows * HQ + head, mask=row_ok, other=0.0)
     return m, lse2, delta, rows, row_ok
