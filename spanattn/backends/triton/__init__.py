@@ -227,20 +227,28 @@ def prepare(plan, head_dim: int, dtype: torch.dtype = torch.bfloat16, group: int
     group_args(plan, cfg.block_n)
 
 
+# Whether the Gluon backward kernels passed their GPU tests (tests/test_triton_backward.py, Hopper
+# only) on a triton they were checked on (gluon_parts.CHECKED_TRITON): until then they run only
+# when asked for.
+GLUON_BACKWARD_CHECKED = False
+
+
 def gluon_backward_runs(plan, head_dim: int, dtype: torch.dtype) -> bool:
     """Does the backward run on kernel_gluon_dkdv and kernel_gluon_dq (where TMA can read q, k, v
     and dO; dQ where every sequence is a key tile long)? Hopper, bf16/fp16, the head_dims they
-    are built for, no span groups, and asked for with ``SPANATTN_TRITON_GLUON=1``: the kernels
-    compile for sm_90 and keep their wgmma asynchronous (tests/test_kernels_compile.py), but
-    have not yet been run on a GPU, so they are off until their GPU tests
-    (tests/test_triton_backward.py) have passed there."""
+    are built for, no span groups, and checked (``GLUON_BACKWARD_CHECKED``) or asked for
+    (``SPANATTN_TRITON_GLUON=1``; ``=0`` never): they compile for sm_90 and keep their wgmma
+    asynchronous (tests/test_kernels_compile.py), but have not yet been run on a GPU."""
     if plan.groups is not None or dtype not in (torch.bfloat16, torch.float16):
         return False
+    setting = os.environ.get(GLUON_ENV, "")
     device = torch.device(plan.device)
-    if os.environ.get(GLUON_ENV, "") != "1" or device.type != "cuda" or _capability(device) != (9, 0):
+    if setting == "0" or device.type != "cuda" or _capability(device) != (9, 0):
         return False
     module = _gluon_module("kernel_gluon_dkdv")
-    return module is not None and head_dim in module.HEAD_DIMS
+    if module is None or head_dim not in module.HEAD_DIMS:
+        return False
+    return setting == "1" or (GLUON_BACKWARD_CHECKED and _gluon_module("gluon_parts").checked_triton())
 
 
 def _prepare_backward(plan, head_dim: int, dtype: torch.dtype, interpreted: bool) -> None:
