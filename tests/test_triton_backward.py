@@ -246,7 +246,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9,
 # Steps without span groups (the Gluon kernels walk none), lengths no multiple of their tiles
 # (dK/dV: 32 queries, 64-128 keys; dQ: 128 queries, 32-64 keys): tiles straddle sequences,
 # chunks end mid-tile, a chunk is shorter than a query tile. The last two have a sequence shorter
-# than a dQ key tile: dQ runs on kernel_dq.py there (kernel_gluon_dq.fits), dK/dV on Gluon.
+# than a dQ key tile: dQ runs on kernel_dq.py there (gluon_backward.dq_fits), dK/dV on Gluon.
 GLUON_STEPS = {
     "causal varlen": (sa.Batch([sa.Seq(300), sa.Seq(71), sa.Seq(129), sa.Seq(q_len=5, kv_len=64)]),
                       sa.LayerMask()),
@@ -266,7 +266,7 @@ GLUON_STEPS = {
 
 def _gluon_calls(monkeypatch) -> dict:
     """Calls of the Gluon backward kernels from here on, by kernel."""
-    from spanattn.backends.triton import kernel_gluon_dkdv, kernel_gluon_dq
+    from spanattn.backends.triton import gluon_backward
 
     calls = {"dkdv": 0, "dq": 0}
 
@@ -277,8 +277,8 @@ def _gluon_calls(monkeypatch) -> dict:
 
         return run
 
-    for mod, name in ((kernel_gluon_dkdv, "dkdv"), (kernel_gluon_dq, "dq")):
-        monkeypatch.setattr(mod, name, counted(name, getattr(mod, name)))
+    for name in calls:
+        monkeypatch.setattr(gluon_backward, name, counted(name, getattr(gluon_backward, name)))
     return calls
 
 

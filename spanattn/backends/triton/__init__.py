@@ -261,9 +261,9 @@ def _prepare_backward(plan, head_dim: int, dtype: torch.dtype, interpreted: bool
         dkdv = Config(block_m, block_n, 4, stages)
     if plan.capacity is None:
         key_schedule(plan, dkdv.block_m, dkdv.block_n)
-        gdq = _gluon_module("kernel_gluon_dq") if gluon_backward_runs(plan, head_dim, dtype) else None
-        if gdq is not None and gdq.fits(plan, head_dim):
-            tile_schedule(plan, gdq.BLOCK_M, gdq.TILES[head_dim][0])
+        g = _gluon_module("gluon_backward") if gluon_backward_runs(plan, head_dim, dtype) else None
+        if g is not None and g.dq_fits(plan, head_dim):
+            tile_schedule(plan, g.kernel_gluon_dq.BLOCK_M, g.kernel_gluon_dq.TILES[head_dim][0])
         else:
             tile_schedule(plan, dq.block_m, dq.block_n)
         return

@@ -73,13 +73,11 @@ def backward(
     like = lambda t: alloc(t.shape, dtype=t.dtype, device=t.device)
     dk, dv = like(k), like(v)
     gluon = gluon and config is None and plan.groups is None and _gluon_reads(q, k, v, dout)
+    scales = dict(qk_scale=qk_scale, softcap_log2=softcap_log2, scale=scale, softcap=bool(softcap))
     if gluon:  # imported on first use, as the forward's Gluon kernels
-        from . import kernel_gluon_dkdv as g
-        from . import kernel_gluon_dq as gdq
+        from . import gluon_backward
 
-        keys = key_schedule(plan, *g.TILES[d][:2])
-        g.dkdv(q, k, v, dout, lse2, delta, dk, dv, plan, keys, qk_scale=qk_scale, softcap_log2=softcap_log2,
-               scale=scale, softcap=bool(softcap))  # fmt: skip
+        gluon_backward.dkdv(q, k, v, dout, lse2, delta, dk, dv, plan, **scales)
     else:
         keys = key_schedule(plan, dkdv_cfg.block_m, dkdv_cfg.block_n)
         kernel_dkdv.attn_bwd_dkdv[(keys.num_tiles * hkv * dkdv_cfg.dv_split,)](
@@ -91,10 +89,8 @@ def backward(
         )  # fmt: skip
 
     dq = like(q)
-    if gluon and gdq.fits(plan, d):
-        tiles = tile_schedule(plan, gdq.BLOCK_M, gdq.TILES[d][0])
-        gdq.dq(q, k, v, dout, lse2, delta, dq, plan, tiles, qk_scale=qk_scale, softcap_log2=softcap_log2,
-               scale=scale, softcap=bool(softcap))  # fmt: skip
+    if gluon and gluon_backward.dq_fits(plan, d):
+        gluon_backward.dq(q, k, v, dout, lse2, delta, dq, plan, **scales)
     else:
         tiles = tile_schedule(plan, dq_cfg.block_m, dq_cfg.block_n)
         kernel_dq.attn_bwd_dq[(tiles.num_tiles * hq * dq_cfg.dv_split,)](

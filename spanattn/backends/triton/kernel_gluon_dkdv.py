@@ -18,7 +18,6 @@ walked here (kernel_dkdv.py serves them).
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -31,7 +30,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .columns import (
     KEY_FULL_END,
     KEY_FULL_START,
-    KEY_INFO,
     KEY_K_ROW0,
     KEY_KV_LEN,
     KEY_N_START,
@@ -41,8 +39,7 @@ from .columns import (
     KEY_Q_START,
 )
 from .gluon_compat import partition_barrier, tma_load
-from .gluon_parts import CONSUMER_REGS, PRODUCER_REGS, smem_layout, zero_rows_from
-from .tma_layout import tma_matrix
+from .gluon_parts import zero_rows_from
 
 KEYS = gl.constexpr(64)  # keys per consumer warpgroup: wgmma's 64 rows
 # Per head_dim: queries per step of the walk, keys per program, Q and dO slots. d128: 4 x 16 KB
@@ -293,40 +290,3 @@ def attn_bwd_dkdv_gluon(
         [CONSUMER_REGS, PRODUCER_REGS],
     )
     # fmt: on
-
-
-def descriptor(t: torch.Tensor, rows: int, cols: int):
-    """A host TMA descriptor of ``t [tokens, heads, D]`` read in ``rows x cols`` boxes, and the
-    (rows, columns) a head moves in its matrix (tma_layout)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    m = tma_matrix(t)
-    desc = TensorDescriptor(m.matrix, list(m.matrix.shape), list(m.matrix.stride()), [rows, cols],
-                            smem_layout(rows, cols, t.dtype))  # fmt: skip
-    return desc, m.head_rows, m.head_cols
-
-
-def dkdv(q, k, v, dout, lse2, delta, dk, dv, plan, keys, *, qk_scale, softcap_log2, scale, softcap) -> None:
-    """dK, dV into ``dk``, ``dv`` over the key schedule ``keys`` (``TILES[head_dim]``'s tiles);
-    every tensor as gradients.backward has it, TMA-readable (gradients._gluon_reads). d256 runs
-    kernel_gluon_dkdv_split."""
-    hq, d = q.shape[1], q.shape[2]
-    hkv = k.shape[1]
-    block_m, block_n, stages = TILES[d]
-    assert (keys.block_m, keys.block_n) == (block_m, block_n)
-    if d == 128:
-        kernel, cols = attn_bwd_dkdv_gluon, d
-    else:
-        from .kernel_gluon_dkdv_split import attn_bwd_dkdv_gluon_split
-
-        kernel, cols = attn_bwd_dkdv_gluon_split, d // 2
-    qd, q_hr, q_hc = descriptor(q, block_m, cols)
-    dod, do_hr, do_hc = descriptor(dout, block_m, cols)
-    kd, k_hr, k_hc = descriptor(k, block_n, cols)
-    vd, _, _ = descriptor(v, block_n, cols)
-    kernel[(keys.num_tiles * hkv,)](
-        qd, dod, kd, vd, lse2, delta, plan.lo, plan.hi, keys.info, dk, dv, dk.stride(0), dk.stride(1),
-        dv.stride(0), dv.stride(1), qk_scale, softcap_log2, scale, q_hr, q_hc, do_hr, do_hc, k_hr, k_hc,
-        HQ=hq, GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, STAGES=stages, SOFTCAP=softcap,
-        N_INFO=len(KEY_INFO), CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
-    )  # fmt: skip

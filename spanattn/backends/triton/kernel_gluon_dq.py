@@ -24,10 +24,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .columns import FULL_END, FULL_START, INFO, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST
+from .columns import FULL_END, FULL_START, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST
 from .gluon_compat import tma_load
-from .gluon_parts import CONSUMER_REGS, PRODUCER_REGS, in_interval
-from .kernel_gluon_dkdv import descriptor, score_grads
+from .gluon_parts import in_interval
+from .kernel_gluon_dkdv import score_grads
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
 BLOCK_M = 2 * ROWS.value  # query rows per program
@@ -197,29 +197,3 @@ def attn_bwd_dq_gluon(
         [CONSUMER_REGS, PRODUCER_REGS],
     )
     # fmt: on
-
-
-def dq(q, k, v, dout, lse2, delta, dq_out, plan, tiles, *, qk_scale, softcap_log2, scale, softcap) -> None:
-    """dQ into ``dq_out`` over the forward's schedule ``tiles`` (``BLOCK_M x TILES[head_dim][0]``);
-    every tensor as gradients.backward has it, TMA-readable, every sequence at least a key tile
-    long (gradients._gluon_dq)."""
-    hq, d = q.shape[1], q.shape[2]
-    hkv = k.shape[1]
-    block_n, stages = TILES[d]
-    assert (tiles.block_m, tiles.block_n) == (BLOCK_M, block_n)
-    qd, q_hr, q_hc = descriptor(q, ROWS.value, d)
-    dod, do_hr, do_hc = descriptor(dout, ROWS.value, d)
-    kd, k_hr, k_hc = descriptor(k, block_n, d)
-    vd, _, _ = descriptor(v, block_n, d)
-    attn_bwd_dq_gluon[(tiles.num_tiles * hq,)](
-        qd, dod, kd, vd, lse2, delta, plan.lo, plan.hi, tiles.info, dq_out, dq_out.stride(0),
-        dq_out.stride(1), qk_scale, softcap_log2, scale, q_hr, q_hc, do_hr, do_hc, k_hr, k_hc, HQ=hq,
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, SOFTCAP=softcap, N_INFO=len(INFO),
-        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
-    )  # fmt: skip
-
-
-def fits(plan, d: int) -> bool:
-    """Is every sequence of the plan at least a key tile long (the shifted last tile)? Host
-    plans only: a device plan's lengths live on the device."""
-    return plan.capacity is None and plan.min_seqlen_k >= TILES[d][0]
