@@ -1,5 +1,5 @@
-"""The Gluon kernels' first-use self-check: on CPU its decisions with stand-in runs; on an H200
-the real check of both Gluon modules passes."""
+"""The Gluon kernels' first-use self-check: on CPU its decisions with stand-in runs; on a Hopper
+GPU the real check of both forward modules and of the backward passes."""
 
 import warnings
 
@@ -25,6 +25,22 @@ def test_every_variant_passing_enables_the_module():
     assert not gluon_check.running("kernel_gluon")
 
 
+def test_the_backward_check_runs_its_steps_without_groups():
+    seen = []
+
+    def run(d, batch, layer, page, device):
+        assert gluon_check.running(gluon_check.BACKWARD)  # the backward routes to Gluon meanwhile
+        shortest = min(s.kv_len for s in batch.seqs)
+        seen.append((d, layer.spans, page, any(s.groups for s in batch.seqs), shortest))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert gluon_check.self_check(gluon_check.BACKWARD, "cpu", run=run)
+    assert {x[0] for x in seen} == {128, 256} and {x[2] for x in seen} == {None} and len(seen) == 8
+    assert not any(x[3] for x in seen) and min(x[4] for x in seen) < 32  # a sequence below a dQ key tile
+    assert not gluon_check.running(gluon_check.BACKWARD)
+
+
 @pytest.mark.parametrize("failure", ["wrong", "raise"])
 def test_a_failing_variant_warns_once_and_falls_back(failure):
     calls = []
@@ -48,7 +64,7 @@ def test_a_failing_variant_warns_once_and_falls_back(failure):
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU"
 )
-@pytest.mark.parametrize("name", ["kernel_gluon", "kernel_gluon_split"])
+@pytest.mark.parametrize("name", ["kernel_gluon", "kernel_gluon_split", gluon_check.BACKWARD])
 def test_the_real_check_passes_on_hopper(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)

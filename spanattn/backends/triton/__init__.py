@@ -229,16 +229,18 @@ def prepare(plan, head_dim: int, dtype: torch.dtype = torch.bfloat16, group: int
 
 # Whether the Gluon backward kernels passed their GPU tests (tests/test_triton_backward.py, Hopper
 # only) on a triton they were checked on (gluon_parts.CHECKED_TRITON): until then they run only
-# when asked for.
+# when asked for. Once checked, other tritons run them after their first-use self-check
+# (gluon_check.py), as the forward's.
 GLUON_BACKWARD_CHECKED = False
 
 
 def gluon_backward_runs(plan, head_dim: int, dtype: torch.dtype) -> bool:
     """Does the backward run on kernel_gluon_dkdv and kernel_gluon_dq (where TMA can read q, k, v
     and dO; dQ where every sequence is a key tile long)? Hopper, bf16/fp16, the head_dims they
-    are built for, no span groups, and checked (``GLUON_BACKWARD_CHECKED``) or asked for
-    (``SPANATTN_TRITON_GLUON=1``; ``=0`` never): they compile for sm_90 and keep their wgmma
-    asynchronous (tests/test_kernels_compile.py), but have not yet been run on a GPU."""
+    are built for, no span groups, and checked (``GLUON_BACKWARD_CHECKED``: on a checked triton,
+    or after the self-check) or asked for (``SPANATTN_TRITON_GLUON=1``; ``=check`` self-checks
+    them; ``=0`` never): they compile for sm_90 and keep their wgmma asynchronous
+    (tests/test_kernels_compile.py), but have not yet been run on a GPU."""
     if plan.groups is not None or dtype not in (torch.bfloat16, torch.float16):
         return False
     setting = os.environ.get(GLUON_ENV, "")
@@ -248,7 +250,16 @@ def gluon_backward_runs(plan, head_dim: int, dtype: torch.dtype) -> bool:
     module = _gluon_module("kernel_gluon_dkdv")
     if module is None or head_dim not in module.HEAD_DIMS:
         return False
-    return setting == "1" or (GLUON_BACKWARD_CHECKED and _gluon_module("gluon_parts").checked_triton())
+    from . import gluon_check
+
+    if setting == "1" or gluon_check.running(gluon_check.BACKWARD):
+        return True
+    if setting != "check" and not GLUON_BACKWARD_CHECKED:
+        return False
+    if setting != "check" and _gluon_module("gluon_parts").checked_triton():
+        return True
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return gluon_check.passes(gluon_check.BACKWARD, index, sys.modules[__name__])
 
 
 def _prepare_backward(plan, head_dim: int, dtype: torch.dtype, interpreted: bool) -> None:

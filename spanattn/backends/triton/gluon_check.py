@@ -5,14 +5,15 @@ gets a newer triton than the one the kernels were checked on (gluon_parts.CHECKE
 Rather than pin the fast path to that version, the first step that would run a Gluon kernel
 module on such a triton first runs it on a small step of every variant it serves (each head_dim,
 packed and paged K/V, a window with spans and a global layer, with and without span groups)
-against the fp64 truth
-(spanattn.oracle). If every variant compiles and passes, the module runs from then on; if one
-fails, one warning says why and the plain Triton kernel runs instead. Once per module, device and
-process: about a second of compiling per variant, on the first step only.
+against the fp64 truth (spanattn.oracle); the backward (``gluon_backward``) its dq, dk, dv by
+the gradient rule, on steps without span groups, one with a sequence shorter than a dQ key
+tile. If every variant compiles and passes, the module runs from then on; if one fails, one
+warning says why and the plain Triton kernel runs instead. Once per module, device and process:
+about a second of compiling per variant, on the first step only.
 
-The check runs the backend's own routing (``forward``, ``uses_gluon``), which asks this module
-whether a Gluon kernel may run: the backend package passes itself in (``backend``) rather than
-being imported from here.
+The check runs the backend's own routing (``forward``, ``uses_gluon``; ``backward``,
+``gluon_backward_runs``), which asks this module whether a Gluon kernel may run: the backend
+package passes itself in (``backend``) rather than being imported from here.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import warnings
 
 import torch
 
-# head_dims each Gluon module serves (GLUON_KERNELS in __init__.py)
-HEAD_DIMS = {"kernel_gluon": (128, 256), "kernel_gluon_split": (512,)}
+# head_dims each Gluon module serves (GLUON_KERNELS in __init__.py; the backward's, its kernels')
+HEAD_DIMS = {"kernel_gluon": (128, 256), "kernel_gluon_split": (512,), "gluon_backward": (128, 256)}
+BACKWARD = "gluon_backward"
 _RUNNING: set[str] = set()  # modules under check: their own check must reach them
 
 
@@ -31,18 +33,39 @@ def running(name: str) -> bool:
     return name in _RUNNING
 
 
-def _variants(head_dims):
+def _variants(name: str):
+    """(head_dim, batch, layer, page size or None) of each step the check of ``name`` runs."""
     import spanattn as sa
 
     seqs = [sa.Seq(q_len=200, kv_len=333, spans=[(40, 250)]), sa.Seq(q_len=130, kv_len=130, causal=False),
             sa.Seq(q_len=70, kv_len=190, spans=[(100, 160)])]  # fmt: skip
     frames = [(20, 99, 0), (130, 209, 0), (240, 330, 0)]  # a span group: frames with text between
     grouped = [sa.Seq(q_len=300, kv_len=420, spans=frames), seqs[1]]
-    for d in head_dims:
-        for batch in (seqs, grouped):
+    short = [*seqs, sa.Seq(q_len=9, kv_len=20)]  # shorter than a dQ key tile: dK/dV alone on Gluon
+    for d in HEAD_DIMS[name]:
+        for batch in (seqs, short) if name == BACKWARD else (seqs, grouped):
             for layer in (sa.LayerMask(window=64, spans="clamp"), sa.LayerMask(spans="on")):
-                for page in (None, 64):
+                for page in (None,) if name == BACKWARD else (None, 64):
                     yield d, sa.Batch(batch), layer, page
+
+
+def _one_backward(backend, d, batch, layer, page, device) -> str | None:
+    """Why this backward variant fails, or None: the backend's forward and backward (which routes
+    to the Gluon kernels while their check runs) against the fp64 gradients."""
+    import spanattn as sa
+    from spanattn.oracle import GradTruth
+
+    p = sa.plan(batch, layer, device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(n, h, d, device=device, dtype=torch.bfloat16, generator=g)
+               for n, h in ((p.total_q, 4), (p.total_k, 2), (p.total_k, 2)))  # fmt: skip
+    dout = torch.randn(q.shape, device=device, dtype=q.dtype, generator=g)
+    if not backend.gluon_backward_runs(p, d, q.dtype):
+        return "the check step would not reach the Gluon backward"
+    out, lse = backend.forward(q, k, v, p, scale=d**-0.5, return_lse=True)
+    grads = backend.backward(q, k, v, out, lse, dout, p, scale=d**-0.5)
+    verdict = GradTruth(q, k, v, p, dout, None, scale=d**-0.5).check(*grads, rounding_slack=True)
+    return None if verdict.ok else f"backward, head_dim {d}, {layer}: {verdict}"
 
 
 def _one(backend, d, batch, layer, page, device) -> str | None:
@@ -76,10 +99,10 @@ def self_check(name: str, device, backend=None, run=None) -> bool:
     (a wrong result or any exception, e.g. a Gluon API the installed triton lacks)."""
     import triton
 
-    run = run or functools.partial(_one, backend)
+    run = run or functools.partial(_one_backward if name == BACKWARD else _one, backend)
     _RUNNING.add(name)
     try:
-        for variant in _variants(HEAD_DIMS[name]):
+        for variant in _variants(name):
             why = run(*variant, device)
             if why is not None:
                 break
