@@ -36,8 +36,8 @@ def test_the_backward_check_runs_its_steps_without_groups():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert gluon_check.self_check(gluon_check.BACKWARD, "cpu", run=run)
-    assert {x[0] for x in seen} == {128, 256} and {x[2] for x in seen} == {None} and len(seen) == 8
-    assert not any(x[3] for x in seen) and min(x[4] for x in seen) < 32  # a sequence below a dQ key tile
+    assert {x[0] for x in seen} == {128, 256, 512} and {x[2] for x in seen} == {None} and len(seen) == 12
+    assert not any(x[3] for x in seen) and min(x[4] for x in seen) < 64  # a sequence below a dQ key tile
     assert not gluon_check.running(gluon_check.BACKWARD)
 
 

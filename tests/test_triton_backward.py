@@ -286,14 +286,14 @@ def _gluon_calls(monkeypatch) -> dict:
 @pytest.mark.parametrize("name", GLUON_STEPS)
 @pytest.mark.parametrize("heads", [(4, 2), (8, 1)])
 @pytest.mark.parametrize(("dtype", "softcap"), [(torch.bfloat16, None), (torch.float16, 20.0)])
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [128, 256, 512])
 def test_gluon_backward(name, heads, dtype, softcap, d, monkeypatch):
     """The Gluon kernels' dq, dk, dv held to the rule, close to the portable kernels' (the
     summation order differs), the same bits call after call; the backend routes a Hopper step
     to them when asked."""
     calls = _gluon_calls(monkeypatch)
     batch, layer = GLUON_STEPS[name]
-    fits = min(s.kv_len for s in batch.seqs) >= {128: 64, 256: 32}[d]
+    fits = min(s.kv_len for s in batch.seqs) >= {128: 64, 256: 32, 512: 16}[d]
     got = check(batch, layer, *heads, d=d, dtype=dtype, softcap=softcap, gluon=True)
     assert calls == {"dkdv": 1, "dq": int(fits)}, calls
     p = sa.plan(batch, layer, device=DEV)
@@ -311,7 +311,7 @@ def test_gluon_backward(name, heads, dtype, softcap, d, monkeypatch):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward runs on Hopper")
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [128, 256, 512])
 def test_gluon_backward_isolation_and_every_row(d, monkeypatch):
     """NaN or inf in one sequence's q, k, v, dout leaves the others' gradients bit for bit (a
     dK/dV query tile past a chunk's end holds the next sequence's rows: zeroed before use; dQ's

@@ -62,21 +62,23 @@ def stats(fn, cfg: Config, d: int, n_info: int, groups: str, softcap: bool, fp32
 
 
 def gluon_dq_stats(d: int, softcap: bool = False) -> dict:
-    """kernel_gluon_dq's report at head_dim ``d`` (bf16, Hq 16 / Hkv 8)."""
+    """kernel_gluon_dq's report at head_dim ``d`` (its split form at d512; bf16, Hq 16 / Hkv 8)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from spanattn.backends.triton import gluon_parts as parts
     from spanattn.backends.triton import kernel_gluon_dq as g
+    from spanattn.backends.triton import kernel_gluon_dq_split as split
 
-    block_n, stages = g.TILES[d]
+    _, block_n, stages = g.TILES[d]
+    fn, cols = (split.attn_bwd_dq_gluon_split, 128) if d == 512 else (g.attn_bwd_dq_gluon, d)
 
     def desc(rows):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)
-        return f"tensordesc<bf16[{rows}, {d}],{layout!r}>"
+        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {cols}],{layout!r}>"
 
     sig = {}
-    for name, param in inspect.signature(g.attn_bwd_dq_gluon.fn).parameters.items():
+    for name, param in inspect.signature(fn.fn).parameters.items():
         if param.annotation is not inspect.Parameter.empty:
             sig[name] = "constexpr"
         elif name.endswith("_desc"):
@@ -89,7 +91,7 @@ def gluon_dq_stats(d: int, softcap: bool = False) -> dict:
         "HQ": 16, "GROUP": 2, "HEAD_DIM": d, "BLOCK_N": block_n, "STAGES": stages, "SOFTCAP": softcap,
         "N_INFO": len(INFO), "CONSUMER_REGS": parts.CONSUMER_REGS, "PRODUCER_REGS": parts.PRODUCER_REGS,
     }  # fmt: skip
-    src = GluonASTSource(fn=g.attn_bwd_dq_gluon, signature=sig, constexprs=const, attrs=divisible(sig))
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=divisible(sig))
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     return {**_report(kernel), "wgmma": "HGMMA" in sass(kernel.asm["cubin"])}
 
@@ -107,7 +109,7 @@ def gluon_stats(d: int, softcap: bool = False) -> dict:
     from spanattn.backends.triton import kernel_gluon_dkdv_split as split
 
     block_m, block_n, stages = g.TILES[d]
-    fn, cols = (g.attn_bwd_dkdv_gluon, d) if d == 128 else (split.attn_bwd_dkdv_gluon_split, d // 2)
+    fn, cols = (g.attn_bwd_dkdv_gluon, d) if d == 128 else (split.attn_bwd_dkdv_gluon_split, 128)
 
     def desc(rows):
         layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)

@@ -274,7 +274,7 @@ def _prepare_backward(plan, head_dim: int, dtype: torch.dtype, interpreted: bool
         key_schedule(plan, dkdv.block_m, dkdv.block_n)
         g = _gluon_module("gluon_backward") if gluon_backward_runs(plan, head_dim, dtype) else None
         if g is not None and g.dq_fits(plan, head_dim):
-            tile_schedule(plan, g.kernel_gluon_dq.BLOCK_M, g.kernel_gluon_dq.TILES[head_dim][0])
+            tile_schedule(plan, *g.kernel_gluon_dq.TILES[head_dim][:2])
         else:
             tile_schedule(plan, dq.block_m, dq.block_n)
         return

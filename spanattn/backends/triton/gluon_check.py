@@ -24,7 +24,7 @@ import warnings
 import torch
 
 # head_dims each Gluon module serves (GLUON_KERNELS in __init__.py; the backward's, its kernels')
-HEAD_DIMS = {"kernel_gluon": (128, 256), "kernel_gluon_split": (512,), "gluon_backward": (128, 256)}
+HEAD_DIMS = {"kernel_gluon": (128, 256), "kernel_gluon_split": (512,), "gluon_backward": (128, 256, 512)}
 BACKWARD = "gluon_backward"
 _RUNNING: set[str] = set()  # modules under check: their own check must reach them
 

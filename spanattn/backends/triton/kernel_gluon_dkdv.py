@@ -44,16 +44,19 @@ from .gluon_parts import zero_rows_from
 KEYS = gl.constexpr(64)  # keys per consumer warpgroup: wgmma's 64 rows
 # Per head_dim: queries per step of the walk, keys per program, Q and dO slots. d128: 4 x 16 KB
 # beside K and V's 64 KB; d256 (kernel_gluon_dkdv_split): 2 x 32 KB beside 64 KB and the score
-# swap's 64 KB.
-TILES = {128: (32, 128, 4), 256: (32, 64, 2)}
+# swap's 64 KB; d512 (the same): 2 x 32 KB beside 128 KB and 32 KB.
+TILES = {128: (32, 128, 4), 256: (32, 64, 2), 512: (16, 64, 2)}
 HEAD_DIMS = tuple(TILES)
 
 
 @gluon.jit
-def tile_info(KEY_TILE_INFO, N_INFO: gl.constexpr, HKV: gl.constexpr, BLOCK_M: gl.constexpr):
+def tile_info(KEY_TILE_INFO, N_INFO: gl.constexpr, HKV: gl.constexpr, BLOCK_M: gl.constexpr,
+              SPLITS: gl.constexpr = 1):  # fmt: skip
     """This program's key tile and KV head, its sequence and its query walk (columns.KEY_INFO):
-    ``n_q`` query tiles from ``q_start``, FULL in ``[full_start, full_end)``."""
-    pid = gl.program_id(0)
+    ``n_q`` query tiles from ``q_start``, FULL in ``[full_start, full_end)``. ``SPLITS``
+    programs share a key tile and KV head (kernel_gluon_dkdv_split at d512): ``program_id %
+    SPLITS`` is the program's share."""
+    pid = gl.program_id(0) // SPLITS
     info = KEY_TILE_INFO + (pid // HKV) * N_INFO
     k_row0 = gl.load(info + KEY_K_ROW0)
     kv_len = gl.load(info + KEY_KV_LEN)
@@ -72,14 +75,15 @@ def tile_info(KEY_TILE_INFO, N_INFO: gl.constexpr, HKV: gl.constexpr, BLOCK_M: g
 def produce_queries(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, done,
                     tail, KEY_TILE_INFO, q_head_rows, q_head_cols, do_head_rows, do_head_cols, kv_head_rows,
                     kv_head_cols, HKV: gl.constexpr, GROUP: gl.constexpr, N_INFO: gl.constexpr,
-                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PIECES: gl.constexpr):  # fmt: skip
+                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PIECES: gl.constexpr,
+                    SPLITS: gl.constexpr):  # fmt: skip
     """The producer warp: the tile's K and V once, then Q and dO of each query tile of the walk,
     head by head, into slot ``c % STAGES`` once both consumers are done with the tile ``c -
     STAGES`` it held. Every tile as ``PIECES`` boxes of columns side by side (shared memory index
     ``slot * PIECES + piece``). ``*_head_rows``, ``*_head_cols``: how far a head moves in the TMA
     matrix (tma_layout)."""
     kv_head, k_row0, kv_len, n_start, q_row0, q_len, q_start, n_q, _, _ = tile_info(
-        KEY_TILE_INFO, N_INFO, HKV, BLOCK_M
+        KEY_TILE_INFO, N_INFO, HKV, BLOCK_M, SPLITS
     )
     width: gl.constexpr = k_desc.block_type.shape[1]
     mbarrier.expect(kv_bar, PIECES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
@@ -285,7 +289,7 @@ def attn_bwd_dkdv_gluon(
                      scale, HQ, HKV, GROUP, N_INFO, HEAD_DIM, BLOCK_M, STAGES, SOFTCAP)),
          (produce_queries, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready,
                             done, tail, KEY_TILE_INFO, q_head_rows, q_head_cols, do_head_rows, do_head_cols,
-                            kv_head_rows, kv_head_cols, HKV, GROUP, N_INFO, BLOCK_M, STAGES, 1))],
+                            kv_head_rows, kv_head_cols, HKV, GROUP, N_INFO, BLOCK_M, STAGES, 1, 1))],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
     )

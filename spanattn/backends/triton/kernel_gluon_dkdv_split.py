@@ -1,11 +1,14 @@
-"""The backward's dK/dV pass in Gluon for Hopper at head_dim 256: kernel_gluon_dkdv.py's walk and
-producer, with a 64-key tile's head_dim split in halves over the two consumer warpgroups (as
-the forward's kernel_gluon_split.py splits d512). A warpgroup's fp32 dK and dV of 64 keys x 256
-columns would take all its registers, so each consumer owns the columns of its half: it computes
-its half of every tile's ``K Q^T`` and ``V dO^T`` products, the two consumers swap their halves
-through shared memory and add them (fp32 addition commutes: both hold bit-identical scores and
-score gradients), and each runs the ``p^T dO`` and ``ds^T Q`` products for its columns. Every
-product is computed once.
+"""The backward's dK/dV pass in Gluon for Hopper at head_dim 256 and 512: kernel_gluon_dkdv.py's
+walk and producer, with a 64-key tile's head_dim split over the two consumer warpgroups (as the
+forward's kernel_gluon_split.py splits d512). A warpgroup's fp32 dK and dV of 64 keys x 256
+columns would take all its registers, so each consumer owns 128 columns: it computes its half
+of every tile's ``K Q^T`` and ``V dO^T`` products, the two consumers swap their halves through
+shared memory and add them (fp32 addition commutes: both hold bit-identical scores and score
+gradients), and each runs the ``p^T dO`` and ``ds^T Q`` products for its columns. At d256 every
+product is computed once. At d512 dK and dV of a key tile (256 KB in fp32, an SM's whole
+register file) are split over two programs of 256 columns each, which both compute the full
+scores: 1.5x the products, and 16-query steps so that K, V (128 KB), two slots of Q and dO and
+the swap fit in shared memory.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ from .kernel_gluon_dkdv import KEYS, produce_queries, query_rows, tile_grads, ti
 
 
 @gluon.jit
-def _swap(x, x_smem, x_full, c, PART: gl.constexpr):
-    """``x`` plus the other consumer's half of it for tile ``c``, through the slots of the tile's
-    parity: ours out, theirs in once written (the partition barrier puts all 128 threads' stores
-    before the one thread that arrives). Our slot needs no release: the other consumer wrote its
-    half of tile ``c - 1`` (which we waited for) after it had read ours of tile ``c - 2``."""
+def swap(x, x_smem, x_full, c, PART: gl.constexpr):
+    """``x`` plus the other consumer's half of it for tile ``c`` (also kernel_gluon_dq_split's),
+    through the slots of the tile's parity: ours out, theirs in once written (the partition
+    barrier puts all 128 threads' stores before the one thread that arrives). Our slot needs no
+    release: the other consumer wrote its half of tile ``c - 1`` (which we waited for) after it
+    had read ours of tile ``c - 2``."""
     par = c % 2
     x_smem.index(2 * PART + par).store(x)
     partition_barrier()
@@ -37,55 +41,69 @@ def _swap(x, x_smem, x_full, c, PART: gl.constexpr):
 
 
 @gluon.jit
+def half_products(a_smem, b_smem, first_a, first_b, zero, OWN: gl.constexpr):
+    """``sum_i a[first_a + i] @ b[first_b + i]^T`` over a consumer's ``OWN`` column pieces,
+    issued asynchronously (also kernel_gluon_dq_split's)."""
+    acc = warpgroup_mma(a_smem.index(first_a), b_smem.index(first_b).permute((1, 0)), zero, use_acc=False,
+                        is_async=True)  # fmt: skip
+    for i in gl.static_range(1, OWN):
+        acc = warpgroup_mma(a_smem.index(first_a + i), b_smem.index(first_b + i).permute((1, 0)), acc,
+                            is_async=True)  # fmt: skip
+    return acc
+
+
+@gluon.jit
 def _consume(PART: gl.constexpr, q_smem, do_smem, k_smem, v_smem, s_smem, dp_smem, s_full, dp_full, kv_bar,
              ready, done, KEY_TILE_INFO, LSE2, DELTA, LO, HI, DK, DV, stride_dkt, stride_dkh, stride_dvt,
              stride_dvh, qk_scale, softcap_log2, scale, HQ: gl.constexpr, HKV: gl.constexpr,
-             GROUP: gl.constexpr, N_INFO: gl.constexpr, HALF: gl.constexpr, BLOCK_M: gl.constexpr,
-             STAGES: gl.constexpr, SOFTCAP: gl.constexpr):  # fmt: skip
-    """Columns ``PART * HALF ...`` of the tile's dK and dV over the walk's ``GROUP * n_q`` tiles,
-    stored at the end."""
+             GROUP: gl.constexpr, N_INFO: gl.constexpr, WIDTH: gl.constexpr, PIECES: gl.constexpr,
+             BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr):  # fmt: skip
+    """Columns of piece ``2 * share + PART`` (``WIDTH`` wide; ``share``: the program's of the
+    tile's ``PIECES // 2``) of the tile's dK and dV over the walk's ``GROUP * n_q`` tiles,
+    stored at the end; the scores summed over pieces ``PART * PIECES // 2 ...`` here and the
+    rest by the other consumer."""
+    SPLITS: gl.constexpr = PIECES // 2
+    OWN: gl.constexpr = PIECES // 2  # contraction pieces per consumer
     kv_head, k_row0, kv_len, n_start, q_row0, q_len, q_start, n_q, full_start, full_end = tile_info(
-        KEY_TILE_INFO, N_INFO, HKV, BLOCK_M
+        KEY_TILE_INFO, N_INFO, HKV, BLOCK_M, SPLITS
     )
+    piece = 2 * (gl.program_id(0) % SPLITS) + PART
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
     )
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WIDTH, 16]
     )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     kv_idx = n_start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-    k_half = k_smem.index(PART)
-    v_half = v_smem.index(PART)
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
-    dk = gl.zeros([KEYS, HALF], gl.float32, layout=o_layout)
-    dv = gl.zeros([KEYS, HALF], gl.float32, layout=o_layout)
+    dk = gl.zeros([KEYS, WIDTH], gl.float32, layout=o_layout)
+    dv = gl.zeros([KEYS, WIDTH], gl.float32, layout=o_layout)
     mbarrier.wait(kv_bar, 0)  # also with no walk: the loads land before the program ends
     for c in range(GROUP * n_q):
         slot = c % STAGES
         mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
-        q = q_smem.index(2 * slot + PART)
-        do = do_smem.index(2 * slot + PART)
-        s = warpgroup_mma(k_half, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp = warpgroup_mma(v_half, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        first = slot * PIECES + PART * OWN
+        s = half_products(k_smem, q_smem, PART * OWN, first, s_zero, OWN)
+        dp = half_products(v_smem, do_smem, PART * OWN, first, s_zero, OWN)
         m, lse2, delta, rows, row_ok = query_rows(c, n_q, kv_head, q_start, q_len, q_row0, offs_m, LSE2,
                                                   DELTA, HQ, GROUP, BLOCK_M)  # fmt: skip
-        s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
-        s = _swap(s, s_smem, s_full, c, PART)
+        s = warpgroup_mma_wait(num_outstanding=OWN, deps=[s])
+        s = swap(s, s_smem, s_full, c, PART)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
-        dp = _swap(dp, dp_smem, dp_full, c, PART)
+        dp = swap(dp, dp_smem, dp_full, c, PART)
         p_a, ds_a = tile_grads(s, dp, m, lse2, delta, rows, row_ok, LO, HI, kv_idx, full_start, full_end,
                                qk_scale, softcap_log2, a_layout, dtype, BLOCK_M, SOFTCAP)  # fmt: skip
-        dv = warpgroup_mma(p_a, do, dv, is_async=True)
-        dk = warpgroup_mma(ds_a, q, dk, is_async=True)
+        dv = warpgroup_mma(p_a, do_smem.index(slot * PIECES + piece), dv, is_async=True)
+        dk = warpgroup_mma(ds_a, q_smem.index(slot * PIECES + piece), dk, is_async=True)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
         mbarrier.arrive(done.index(slot))
     dk = dk * scale
     # Every key row of the sequence is stored, zero where no query sees it.
     out_keys = n_start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, o_layout))
-    cols = PART * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+    cols = piece * WIDTH + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, o_layout))
     ok = gl.expand_dims(out_keys < kv_len, 1)
     k_rows = gl.expand_dims((k_row0 + out_keys).to(gl.int64), 1)
     d2 = gl.expand_dims(cols, 0)
@@ -103,12 +121,13 @@ def attn_bwd_dkdv_gluon_split(
 ):  # fmt: skip
     dtype: gl.constexpr = q_desc.dtype
     HKV: gl.constexpr = HQ // GROUP
-    HALF: gl.constexpr = HEAD_DIM // 2
+    WIDTH: gl.constexpr = q_desc.block_type.shape[1]  # columns of a piece (128)
+    PIECES: gl.constexpr = HEAD_DIM // WIDTH
     x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_M], gl.float32)
-    q_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_M, HALF], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_M, HALF], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [2, KEYS, HALF], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, KEYS, HALF], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [PIECES * STAGES, BLOCK_M, WIDTH], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [PIECES * STAGES, BLOCK_M, WIDTH], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [PIECES, KEYS, WIDTH], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [PIECES, KEYS, WIDTH], v_desc.layout)
     # Each consumer's halves of the scores and their gradients in two slots, by tile parity (_swap).
     s_smem = gl.allocate_shared_memory(gl.float32, [4, KEYS, BLOCK_M], x_layout)
     dp_smem = gl.allocate_shared_memory(gl.float32, [4, KEYS, BLOCK_M], x_layout)
@@ -130,15 +149,16 @@ def attn_bwd_dkdv_gluon_split(
     gl.warp_specialize(
         [(_consume, (0, q_smem, do_smem, k_smem, v_smem, s_smem, dp_smem, s_full, dp_full, kv_bar, ready,
                      done, KEY_TILE_INFO, LSE2, DELTA, LO, HI, DK, DV, stride_dkt, stride_dkh, stride_dvt,
-                     stride_dvh, qk_scale, softcap_log2, scale, HQ, HKV, GROUP, N_INFO, HALF, BLOCK_M, STAGES,
-                     SOFTCAP)),
+                     stride_dvh, qk_scale, softcap_log2, scale, HQ, HKV, GROUP, N_INFO, WIDTH, PIECES,
+                     BLOCK_M, STAGES, SOFTCAP)),
          (_consume, (1, q_smem, do_smem, k_smem, v_smem, s_smem, dp_smem, s_full, dp_full, kv_bar, ready,
                      done, KEY_TILE_INFO, LSE2, DELTA, LO, HI, DK, DV, stride_dkt, stride_dkh, stride_dvt,
-                     stride_dvh, qk_scale, softcap_log2, scale, HQ, HKV, GROUP, N_INFO, HALF, BLOCK_M, STAGES,
-                     SOFTCAP)),
+                     stride_dvh, qk_scale, softcap_log2, scale, HQ, HKV, GROUP, N_INFO, WIDTH, PIECES,
+                     BLOCK_M, STAGES, SOFTCAP)),
          (produce_queries, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready,
                             done, tail, KEY_TILE_INFO, q_head_rows, q_head_cols, do_head_rows, do_head_cols,
-                            kv_head_rows, kv_head_cols, HKV, GROUP, N_INFO, BLOCK_M, STAGES, 2))],
+                            kv_head_rows, kv_head_cols, HKV, GROUP, N_INFO, BLOCK_M, STAGES, PIECES,
+                            PIECES // 2))],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
     )

@@ -30,15 +30,15 @@ from .gluon_parts import in_interval
 from .kernel_gluon_dkdv import score_grads
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
-BLOCK_M = 2 * ROWS.value  # query rows per program
-# Per head_dim: keys per tile, K and V slots. d128: Q and dO's 64 KB and 3 x 32 KB; d256: 128 KB
-# and 2 x 32 KB.
-TILES = {128: (64, 3), 256: (32, 2)}
+# Per head_dim: queries per program, keys per tile, K and V slots. d128: Q and dO's 64 KB and
+# 3 x 32 KB; d256: 128 KB and 2 x 32 KB; d512 (kernel_gluon_dq_split, both consumers on one
+# 64-query tile): 128 KB, 2 x 32 KB and the score swap's 32 KB.
+TILES = {128: (128, 64, 3), 256: (128, 32, 2), 512: (64, 16, 2)}
 HEAD_DIMS = tuple(TILES)
 
 
 @gluon.jit
-def _tile_info(TILE_INFO, N_INFO: gl.constexpr, HQ: gl.constexpr, BLOCK_N: gl.constexpr):
+def tile_info(TILE_INFO, N_INFO: gl.constexpr, HQ: gl.constexpr, BLOCK_N: gl.constexpr):
     """This program's query tile and head, and its walk (columns.INFO): ``n_tiles`` key tiles
     from ``kv_start``, FULL in ``[full_start, full_end)``, the last read from ``tma_last``."""
     pid = gl.program_id(0)
@@ -56,34 +56,43 @@ def _tile_info(TILE_INFO, N_INFO: gl.constexpr, HQ: gl.constexpr, BLOCK_N: gl.co
 
 
 @gluon.jit
-def _produce(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, done,
-             TILE_INFO, q_head_rows, q_head_cols, do_head_rows, do_head_cols, kv_head_rows, kv_head_cols,
-             HQ: gl.constexpr, GROUP: gl.constexpr, N_INFO: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr):  # fmt: skip
-    """The producer warp: Q and dO of the tile (two 64-row boxes each), then K and V tile ``t``
-    of the walk into slot ``t % STAGES`` once both consumers are done with tile ``t - STAGES``.
-    Rows of Q and dO past the sequence's end are the next rows (never stored)."""
-    head, q_row0, _, k_row0, kv_len, kv_start, n_tiles, _, _ = _tile_info(TILE_INFO, N_INFO, HQ, BLOCK_N)
-    mbarrier.expect(q_bar, 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
-    for j in gl.static_range(2):
+def produce_keys(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, done,
+                 TILE_INFO, q_head_rows, q_head_cols, do_head_rows, do_head_cols, kv_head_rows, kv_head_cols,
+                 HQ: gl.constexpr, GROUP: gl.constexpr, N_INFO: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, ROW_BOXES: gl.constexpr, PIECES: gl.constexpr):  # fmt: skip
+    """The producer warp: Q and dO of the tile (``ROW_BOXES`` boxes of 64 rows, each as
+    ``PIECES`` boxes of columns: shared memory index ``box * PIECES + piece``), then K and V tile
+    ``t`` of the walk (as ``PIECES`` boxes, index ``slot * PIECES + piece``) into slot ``t %
+    STAGES`` once both consumers are done with tile ``t - STAGES``. Rows of Q and dO past the
+    sequence's end are the next rows (never stored)."""
+    head, q_row0, _, k_row0, kv_len, kv_start, n_tiles, _, _ = tile_info(TILE_INFO, N_INFO, HQ, BLOCK_N)
+    width: gl.constexpr = k_desc.block_type.shape[1]
+    boxes: gl.constexpr = ROW_BOXES * PIECES
+    mbarrier.expect(q_bar, boxes * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
+    for j in gl.static_range(ROW_BOXES):
         row = q_row0 + j * ROWS
-        tma_load(q_desc, [row + head * q_head_rows, head * q_head_cols], q_bar, q_smem.index(j))
-        tma_load(do_desc, [row + head * do_head_rows, head * do_head_cols], q_bar, do_smem.index(j))
+        for i in gl.static_range(PIECES):
+            q_at = [row + head * q_head_rows, head * q_head_cols + i * width]
+            do_at = [row + head * do_head_rows, head * do_head_cols + i * width]
+            tma_load(q_desc, q_at, q_bar, q_smem.index(j * PIECES + i))
+            tma_load(do_desc, do_at, q_bar, do_smem.index(j * PIECES + i))
     kv_head = head // GROUP
     kv_row = k_row0 + kv_head * kv_head_rows
-    tile_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    tile_bytes: gl.constexpr = PIECES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     for t in range(n_tiles):
         slot = t % STAGES
         mbarrier.wait(done.index(slot), (t // STAGES - 1) & 1, pred=t >= STAGES)
         # the tile across the sequence's end shifted back to end with it
-        at = [kv_row + gl.minimum(kv_start + t * BLOCK_N, kv_len - BLOCK_N), kv_head * kv_head_cols]
+        row = kv_row + gl.minimum(kv_start + t * BLOCK_N, kv_len - BLOCK_N)
         mbarrier.expect(ready.index(slot), tile_bytes)
-        tma_load(k_desc, at, ready.index(slot), k_smem.index(slot))
-        tma_load(v_desc, at, ready.index(slot), v_smem.index(slot))
+        for i in gl.static_range(PIECES):
+            at = [row, kv_head * kv_head_cols + i * width]
+            tma_load(k_desc, at, ready.index(slot), k_smem.index(slot * PIECES + i))
+            tma_load(v_desc, at, ready.index(slot), v_smem.index(slot * PIECES + i))
 
 
 @gluon.jit
-def _ds(s, dp, n, lo, hi, lse2, delta, offs_n, full_start, full_end, tma_last, qk_scale, softcap_log2,
+def tile_ds(s, dp, n, lo, hi, lse2, delta, offs_n, full_start, full_end, tma_last, qk_scale, softcap_log2,
         a_layout: gl.constexpr, dtype: gl.constexpr, BLOCK_N: gl.constexpr,
         SOFTCAP: gl.constexpr):  # fmt: skip
     """``ds`` of key tile ``n ...`` as the A operand of its dq product, masked outside the FULL
@@ -100,7 +109,7 @@ def _consume(PART: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, ready, 
              N_INFO: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              SOFTCAP: gl.constexpr):  # fmt: skip
     """Query rows ``PART * 64 ...`` of the tile: their dq over the walk, stored at the end."""
-    head, q_row0, q_row_last, k_row0, kv_len, kv_start, n_tiles, full_start, full_end = _tile_info(
+    head, q_row0, q_row_last, k_row0, kv_len, kv_start, n_tiles, full_start, full_end = tile_info(
         TILE_INFO, N_INFO, HQ, BLOCK_N
     )
     dtype: gl.constexpr = q_smem.dtype
@@ -136,7 +145,7 @@ def _consume(PART: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, ready, 
     s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dp = warpgroup_mma(do, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s, dp = warpgroup_mma_wait(num_outstanding=0, deps=[s, dp])
-    ds_a = _ds(s, dp, kv_start, lo, hi, lse2, delta, offs_n, full_start, full_end, tma_last, qk_scale,
+    ds_a = tile_ds(s, dp, kv_start, lo, hi, lse2, delta, offs_n, full_start, full_end, tma_last, qk_scale,
                softcap_log2, a_layout, dtype, BLOCK_N, SOFTCAP)  # fmt: skip
     for t in range(1, n_tiles):
         slot = t % STAGES
@@ -146,8 +155,8 @@ def _consume(PART: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, ready, 
         dp = warpgroup_mma(do, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dq = warpgroup_mma(ds_a, k_smem.index(prev), dq, is_async=True)
         s, dp = warpgroup_mma_wait(num_outstanding=1, deps=[s, dp])
-        ds_a = _ds(s, dp, kv_start + t * BLOCK_N, lo, hi, lse2, delta, offs_n, full_start, full_end, tma_last,
-                   qk_scale, softcap_log2, a_layout, dtype, BLOCK_N, SOFTCAP)  # fmt: skip
+        ds_a = tile_ds(s, dp, kv_start + t * BLOCK_N, lo, hi, lse2, delta, offs_n, full_start, full_end,
+                       tma_last, qk_scale, softcap_log2, a_layout, dtype, BLOCK_N, SOFTCAP)  # fmt: skip
         dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
         mbarrier.arrive(done.index(prev))
     last = gl.maximum(n_tiles - 1, 0) % STAGES
@@ -190,9 +199,9 @@ def attn_bwd_dq_gluon(
          (_consume, (1, q_smem, do_smem, k_smem, v_smem, q_bar, ready, done, TILE_INFO, LSE2, DELTA, LO, HI,
                      DQ, stride_dqt, stride_dqh, qk_scale, softcap_log2, scale, HQ, N_INFO, HEAD_DIM, BLOCK_N,
                      STAGES, SOFTCAP)),
-         (_produce, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, done,
-                     TILE_INFO, q_head_rows, q_head_cols, do_head_rows, do_head_cols, kv_head_rows,
-                     kv_head_cols, HQ, GROUP, N_INFO, BLOCK_N, STAGES))],
+         (produce_keys, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, done,
+                         TILE_INFO, q_head_rows, q_head_cols, do_head_rows, do_head_cols, kv_head_rows,
+                         kv_head_cols, HQ, GROUP, N_INFO, BLOCK_N, STAGES, 2, 1))],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
     )
