@@ -69,3 +69,33 @@ def test_the_real_check_passes_on_hopper(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         assert gluon_check.self_check(name, torch.device("cuda"), tb)
+
+
+def test_the_gluon_backward_runs_only_when_checked_or_asked(monkeypatch):
+    """gluon_backward_runs' decisions on a stand-in Hopper plan: never with span groups, fp32, a
+    head_dim it is not built for or ``SPANATTN_TRITON_GLUON=0``; with ``=1`` always; by default
+    only once ``GLUON_BACKWARD_CHECKED`` (on a checked triton at once, on another after the
+    self-check, whose verdict it takes); ``=check`` runs the self-check whatever the flag."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(tb, "_capability", lambda device: (9, 0))
+    plan = SimpleNamespace(groups=None, device=torch.device("cuda", 0))
+    asked = []
+    monkeypatch.setattr(gluon_check, "passes", lambda name, index, backend: asked.append(name) or verdict[0])
+    verdict = [True]
+
+    def runs(setting="", checked=False, triton_checked=True, d=128, dtype=torch.bfloat16, groups=None):
+        monkeypatch.setenv(tb.GLUON_ENV, setting)
+        monkeypatch.setattr(tb, "GLUON_BACKWARD_CHECKED", checked)
+        parts = tb._gluon_module("gluon_parts")
+        monkeypatch.setattr(parts, "checked_triton", lambda: triton_checked)
+        return tb.gluon_backward_runs(SimpleNamespace(**{**vars(plan), "groups": groups}), d, dtype)
+
+    assert not runs() and not runs(triton_checked=False) and not asked  # not yet checked on a GPU
+    assert runs("1") and runs("1", d=512) and not runs("1", d=64) and not runs("1", dtype=torch.float32)
+    assert not runs("1", groups=object()) and not runs("0", checked=True)
+    assert runs(checked=True) and not asked  # a checked triton: no self-check
+    assert runs(checked=True, triton_checked=False) and asked == [gluon_check.BACKWARD]
+    verdict[0] = False
+    assert not runs(checked=True, triton_checked=False) and not runs("check")
+    assert asked == [gluon_check.BACKWARD] * 3
