@@ -61,17 +61,13 @@ def stats(fn, cfg: Config, d: int, n_info: int, groups: str, softcap: bool, fp32
     return {**_report(kernel), "wgmma": "HGMMA" in sass(kernel.asm["cubin"])}
 
 
-def gluon_dq_stats(d: int, softcap: bool = False) -> dict:
-    """kernel_gluon_dq's report at head_dim ``d`` (its split form at d512; bf16, Hq 16 / Hkv 8)."""
+def _gluon_report(fn, cols: int, q_rows: int, kv_rows: int, const: dict) -> dict:
+    """Compile Gluon kernel ``fn`` for sm_90 with bf16 descriptors of ``q_rows`` (q, dO) and
+    ``kv_rows`` (K, V) x ``cols`` boxes, Hq 16 / Hkv 8 and ``const``, and report."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from spanattn.backends.triton import gluon_parts as parts
-    from spanattn.backends.triton import kernel_gluon_dq as g
-    from spanattn.backends.triton import kernel_gluon_dq_split as split
-
-    _, block_n, stages = g.TILES[d]
-    fn, cols = (split.attn_bwd_dq_gluon_split, 128) if d == 512 else (g.attn_bwd_dq_gluon, d)
 
     def desc(rows):
         layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
@@ -82,56 +78,41 @@ def gluon_dq_stats(d: int, softcap: bool = False) -> dict:
         if param.annotation is not inspect.Parameter.empty:
             sig[name] = "constexpr"
         elif name.endswith("_desc"):
-            sig[name] = desc(block_n if name in ("k_desc", "v_desc") else g.ROWS.value)
+            sig[name] = desc(kv_rows if name in ("k_desc", "v_desc") else q_rows)
         elif name.startswith("stride_") or "_head_" in name:
             sig[name] = "i32"
         else:
             sig[name] = FLOATS.get(name, "*i32")
-    const = {
-        "HQ": 16, "GROUP": 2, "HEAD_DIM": d, "BLOCK_N": block_n, "STAGES": stages, "SOFTCAP": softcap,
-        "N_INFO": len(INFO), "CONSUMER_REGS": parts.CONSUMER_REGS, "PRODUCER_REGS": parts.PRODUCER_REGS,
-    }  # fmt: skip
+    const = {"HQ": 16, "GROUP": 2, "CONSUMER_REGS": parts.CONSUMER_REGS, "PRODUCER_REGS": parts.PRODUCER_REGS,
+             **const}  # fmt: skip
     src = GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=divisible(sig))
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     return {**_report(kernel), "wgmma": "HGMMA" in sass(kernel.asm["cubin"])}
 
 
-REPORTED = ("shared_bytes", "ptxas", "wgmma_serialized", "wgmma_wait_injected", "wgmma")
-
-
 def gluon_stats(d: int, softcap: bool = False) -> dict:
-    """kernel_gluon_dkdv's report at head_dim ``d`` (its split form at d256; bf16, Hq 16 / Hkv 8)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from spanattn.backends.triton import gluon_parts as parts
+    """kernel_gluon_dkdv's report at head_dim ``d`` (its split form at d256 and d512)."""
     from spanattn.backends.triton import kernel_gluon_dkdv as g
     from spanattn.backends.triton import kernel_gluon_dkdv_split as split
 
     block_m, block_n, stages = g.TILES[d]
     fn, cols = (g.attn_bwd_dkdv_gluon, d) if d == 128 else (split.attn_bwd_dkdv_gluon_split, 128)
+    const = {"HEAD_DIM": d, "BLOCK_M": block_m, "STAGES": stages, "SOFTCAP": softcap, "N_INFO": len(KEY_INFO)}
+    return _gluon_report(fn, cols, block_m, block_n, const)
 
-    def desc(rows):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
-        return f"tensordesc<bf16[{rows}, {cols}],{layout!r}>"
 
-    sig = {}
-    for name, param in inspect.signature(fn.fn).parameters.items():
-        if param.annotation is not inspect.Parameter.empty:
-            sig[name] = "constexpr"
-        elif name.endswith("_desc"):
-            sig[name] = desc(block_n if name in ("k_desc", "v_desc") else block_m)
-        elif name.startswith("stride_") or "_head_" in name:
-            sig[name] = "i32"
-        else:
-            sig[name] = FLOATS.get(name, "*i32")
-    const = {
-        "HQ": 16, "GROUP": 2, "HEAD_DIM": d, "BLOCK_M": block_m, "STAGES": stages, "SOFTCAP": softcap,
-        "N_INFO": len(KEY_INFO), "CONSUMER_REGS": parts.CONSUMER_REGS, "PRODUCER_REGS": parts.PRODUCER_REGS,
-    }  # fmt: skip
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=divisible(sig))
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    return {**_report(kernel), "wgmma": "HGMMA" in sass(kernel.asm["cubin"])}
+def gluon_dq_stats(d: int, softcap: bool = False) -> dict:
+    """kernel_gluon_dq's report at head_dim ``d`` (its split form at d512)."""
+    from spanattn.backends.triton import kernel_gluon_dq as g
+    from spanattn.backends.triton import kernel_gluon_dq_split as split
+
+    _, block_n, stages = g.TILES[d]
+    fn, cols = (split.attn_bwd_dq_gluon_split, 128) if d == 512 else (g.attn_bwd_dq_gluon, d)
+    const = {"HEAD_DIM": d, "BLOCK_N": block_n, "STAGES": stages, "SOFTCAP": softcap, "N_INFO": len(INFO)}
+    return _gluon_report(fn, cols, g.ROWS.value, block_n, const)
+
+
+REPORTED = ("shared_bytes", "ptxas", "wgmma_serialized", "wgmma_wait_injected", "wgmma")
 
 
 def config(text: str) -> Config:

@@ -267,20 +267,18 @@ def _prepare_backward(plan, head_dim: int, dtype: torch.dtype, interpreted: bool
     from .key_schedule import build_key_schedule, key_schedule
 
     dkdv, dq = pick_backward(head_dim, dtype, interpreted)
-    if gluon_backward_runs(plan, head_dim, dtype):
-        block_m, block_n, stages = _gluon_module("kernel_gluon_dkdv").TILES[head_dim]
-        dkdv = Config(block_m, block_n, 4, stages)
+    km, kn, qm, qn = dkdv.block_m, dkdv.block_n, dq.block_m, dq.block_n
+    if gluon_backward_runs(plan, head_dim, dtype):  # the tiles of the kernels gradients.py runs
+        g = _gluon_module("gluon_backward")
+        km, kn = g.key_tiles(head_dim)
+        if g.dq_fits(plan, head_dim):
+            qm, qn = g.query_tiles(head_dim)
     if plan.capacity is None:
-        key_schedule(plan, dkdv.block_m, dkdv.block_n)
-        g = _gluon_module("gluon_backward") if gluon_backward_runs(plan, head_dim, dtype) else None
-        if g is not None and g.dq_fits(plan, head_dim):
-            tile_schedule(plan, *g.kernel_gluon_dq.TILES[head_dim][:2])
-        else:
-            tile_schedule(plan, dq.block_m, dq.block_n)
+        key_schedule(plan, km, kn)
+        tile_schedule(plan, qm, qn)
         return
     from .schedule import build_device_schedule
 
-    km, kn, qm, qn = dkdv.block_m, dkdv.block_n, dq.block_m, dq.block_n
     plan._prepare_table(
         ("triton.key_tiles", km, kn, True), lambda out: build_key_schedule(plan, km, kn, True, out)
     )

@@ -14,6 +14,16 @@ from .schedule_triton import tile_schedule
 from .tma_layout import tma_matrix
 
 
+def key_tiles(d: int) -> tuple[int, int]:
+    """The dK/dV kernels' (queries per step, keys per program) at head_dim ``d``."""
+    return kernel_gluon_dkdv.TILES[d][:2]
+
+
+def query_tiles(d: int) -> tuple[int, int]:
+    """The dQ kernels' (queries per program, keys per step) at head_dim ``d``."""
+    return kernel_gluon_dq.TILES[d][:2]
+
+
 def descriptor(t: torch.Tensor, rows: int, cols: int):
     """A host TMA descriptor of ``t [tokens, heads, D]`` read in ``rows x cols`` boxes, and the
     (rows, columns) a head moves in its matrix (tma_layout)."""
@@ -32,7 +42,7 @@ def dkdv(q, k, v, dout, lse2, delta, dk, dv, plan, *, qk_scale, softcap_log2, sc
     hq, d = q.shape[1], q.shape[2]
     hkv = k.shape[1]
     block_m, block_n, stages = kernel_gluon_dkdv.TILES[d]
-    keys = key_schedule(plan, block_m, block_n)
+    keys = key_schedule(plan, *key_tiles(d))
     if d == 128:
         kernel, cols, programs = kernel_gluon_dkdv.attn_bwd_dkdv_gluon, d, 1
     else:  # 128-column pieces; at d512 two programs a key tile (kernel_gluon_dkdv_split)
@@ -61,8 +71,8 @@ def dq(q, k, v, dout, lse2, delta, dq_out, plan, *, qk_scale, softcap_log2, scal
     key tile long (``dq_fits``)."""
     hq, d = q.shape[1], q.shape[2]
     hkv = k.shape[1]
-    block_m, block_n, stages = kernel_gluon_dq.TILES[d]
-    tiles = tile_schedule(plan, block_m, block_n)
+    _, block_n, stages = kernel_gluon_dq.TILES[d]
+    tiles = tile_schedule(plan, *query_tiles(d))
     rows = kernel_gluon_dq.ROWS.value
     if d == 512:  # 128-column pieces, both consumers on one 64-query tile
         kernel, cols = kernel_gluon_dq_split.attn_bwd_dq_gluon_split, 128

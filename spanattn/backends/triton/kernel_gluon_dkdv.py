@@ -49,6 +49,45 @@ TILES = {128: (32, 128, 4), 256: (32, 64, 2), 512: (16, 64, 2)}
 HEAD_DIMS = tuple(TILES)
 
 
+@gluon.constexpr_function
+def acc_layout(cols):
+    """wgmma's accumulator layout of a consumer's (4 warps') 64-row tile ``cols`` wide."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
+
+
+@gluon.constexpr_function
+def operand_layout(acc):
+    """The layout of a 16-bit register A operand of a product into accumulator layout ``acc``."""
+    return gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
+
+
+@gluon.jit
+def slot_barriers(STAGES: gl.constexpr):
+    """Each ring slot's ``ready`` (the producer's loads landed: one arrival with their bytes) and
+    ``done`` (both consumers' products on it finished: two arrivals)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(done.index(i), count=2)
+    return ready, done
+
+
+@gluon.jit
+def store_key_rows(dk, dv, DK, DV, k_row0, first, kv_len, kv_head, col0, stride_dkt, stride_dkh,
+                   stride_dvt, stride_dvh):  # fmt: skip
+    """``dk`` and ``dv`` (fp32, wgmma accumulators) as rows of keys ``first ...`` of the sequence
+    at packed key row ``k_row0``, columns ``col0 ...``: every key row of the sequence is stored
+    (zero where no query sees the key), none past its end."""
+    layout: gl.constexpr = dk.type.layout
+    keys = first + gl.arange(0, dk.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = gl.expand_dims(col0 + gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, layout)), 0)
+    ok = gl.expand_dims(keys < kv_len, 1)
+    rows = gl.expand_dims((k_row0 + keys).to(gl.int64), 1)
+    gl.store(DK + rows * stride_dkt + kv_head * stride_dkh + cols, dk.to(DK.dtype.element_ty), mask=ok)
+    gl.store(DV + rows * stride_dvt + kv_head * stride_dvh + cols, dv.to(DV.dtype.element_ty), mask=ok)
+
+
 @gluon.jit
 def tile_info(KEY_TILE_INFO, N_INFO: gl.constexpr, HKV: gl.constexpr, BLOCK_M: gl.constexpr,
               SPLITS: gl.constexpr = 1):  # fmt: skip
@@ -193,13 +232,9 @@ def _consume(PART: gl.constexpr, q_smem, do_smem, k_smem, v_smem, kv_bar, ready,
         KEY_TILE_INFO, N_INFO, HKV, BLOCK_M
     )
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = acc_layout(BLOCK_M)
+    o_layout: gl.constexpr = acc_layout(HEAD_DIM)
+    a_layout: gl.constexpr = operand_layout(o_layout)
     kv_idx = n_start + PART * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     k_part = k_smem.index(0).slice(PART * KEYS, KEYS)
@@ -245,15 +280,8 @@ def _consume(PART: gl.constexpr, q_smem, do_smem, k_smem, v_smem, kv_bar, ready,
     dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
     dv = gl.where(live, dv, 0.0)
     dk = gl.where(live, dk, 0.0)
-    dk = dk * scale
-    # Every key row of the sequence is stored, zero where no query sees it.
-    out_keys = n_start + PART * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, o_layout))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    ok = gl.expand_dims(out_keys < kv_len, 1)
-    k_rows = gl.expand_dims((k_row0 + out_keys).to(gl.int64), 1)
-    d2 = gl.expand_dims(offs_d, 0)
-    gl.store(DK + k_rows * stride_dkt + kv_head * stride_dkh + d2, dk.to(DK.dtype.element_ty), mask=ok)
-    gl.store(DV + k_rows * stride_dvt + kv_head * stride_dvh + d2, dv.to(DV.dtype.element_ty), mask=ok)
+    store_key_rows(dk * scale, dv, DK, DV, k_row0, n_start + PART * KEYS, kv_len, kv_head, 0, stride_dkt,
+                   stride_dkh, stride_dvt, stride_dvh)  # fmt: skip
 
 
 @gluon.jit
@@ -272,13 +300,9 @@ def attn_bwd_dkdv_gluon(
     v_smem = gl.allocate_shared_memory(dtype, [1, 2 * KEYS, HEAD_DIM], v_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     tail = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    done = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready, done = slot_barriers(STAGES)
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(tail, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(done.index(i), count=2)
     # fmt: off
     gl.warp_specialize(
         [(_consume, (0, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, done, KEY_TILE_INFO, LSE2, DELTA,

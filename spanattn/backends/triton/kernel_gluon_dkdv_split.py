@@ -22,7 +22,33 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .gluon_compat import partition_barrier
-from .kernel_gluon_dkdv import KEYS, produce_queries, query_rows, tile_grads, tile_info
+from .kernel_gluon_dkdv import (
+    KEYS,
+    acc_layout,
+    operand_layout,
+    produce_queries,
+    query_rows,
+    slot_barriers,
+    store_key_rows,
+    tile_grads,
+    tile_info,
+)
+
+
+@gluon.jit
+def swap_buffers(ROWS: gl.constexpr, COLS: gl.constexpr):
+    """Each consumer's halves of the scores and of their gradients' ``V dO^T`` (``ROWS x COLS``
+    fp32) in two slots, by tile parity, and the barriers that say a half is written (``swap``;
+    one arrival, by the consumer that wrote it)."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, COLS], gl.float32)
+    s_smem = gl.allocate_shared_memory(gl.float32, [4, ROWS, COLS], layout)
+    dp_smem = gl.allocate_shared_memory(gl.float32, [4, ROWS, COLS], layout)
+    s_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    dp_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(4):
+        mbarrier.init(s_full.index(i), count=1)
+        mbarrier.init(dp_full.index(i), count=1)
+    return s_smem, dp_smem, s_full, dp_full
 
 
 @gluon.jit
@@ -69,13 +95,9 @@ def _consume(PART: gl.constexpr, q_smem, do_smem, k_smem, v_smem, s_smem, dp_sme
     )
     piece = 2 * (gl.program_id(0) % SPLITS) + PART
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WIDTH, 16]
-    )
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = acc_layout(BLOCK_M)
+    o_layout: gl.constexpr = acc_layout(WIDTH)
+    a_layout: gl.constexpr = operand_layout(o_layout)
     kv_idx = n_start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
@@ -100,15 +122,8 @@ def _consume(PART: gl.constexpr, q_smem, do_smem, k_smem, v_smem, s_smem, dp_sme
         dk = warpgroup_mma(ds_a, q_smem.index(slot * PIECES + piece), dk, is_async=True)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
         mbarrier.arrive(done.index(slot))
-    dk = dk * scale
-    # Every key row of the sequence is stored, zero where no query sees it.
-    out_keys = n_start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, o_layout))
-    cols = piece * WIDTH + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, o_layout))
-    ok = gl.expand_dims(out_keys < kv_len, 1)
-    k_rows = gl.expand_dims((k_row0 + out_keys).to(gl.int64), 1)
-    d2 = gl.expand_dims(cols, 0)
-    gl.store(DK + k_rows * stride_dkt + kv_head * stride_dkh + d2, dk.to(DK.dtype.element_ty), mask=ok)
-    gl.store(DV + k_rows * stride_dvt + kv_head * stride_dvh + d2, dv.to(DV.dtype.element_ty), mask=ok)
+    store_key_rows(dk * scale, dv, DK, DV, k_row0, n_start, kv_len, kv_head, piece * WIDTH, stride_dkt,
+                   stride_dkh, stride_dvt, stride_dvh)  # fmt: skip
 
 
 @gluon.jit
@@ -123,28 +138,16 @@ def attn_bwd_dkdv_gluon_split(
     HKV: gl.constexpr = HQ // GROUP
     WIDTH: gl.constexpr = q_desc.block_type.shape[1]  # columns of a piece (128)
     PIECES: gl.constexpr = HEAD_DIM // WIDTH
-    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_M], gl.float32)
     q_smem = gl.allocate_shared_memory(dtype, [PIECES * STAGES, BLOCK_M, WIDTH], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [PIECES * STAGES, BLOCK_M, WIDTH], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [PIECES, KEYS, WIDTH], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [PIECES, KEYS, WIDTH], v_desc.layout)
-    # Each consumer's halves of the scores and their gradients in two slots, by tile parity (_swap).
-    s_smem = gl.allocate_shared_memory(gl.float32, [4, KEYS, BLOCK_M], x_layout)
-    dp_smem = gl.allocate_shared_memory(gl.float32, [4, KEYS, BLOCK_M], x_layout)
-    s_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    dp_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    s_smem, dp_smem, s_full, dp_full = swap_buffers(KEYS, BLOCK_M)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     tail = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    done = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready, done = slot_barriers(STAGES)
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(tail, count=1)
-    for i in gl.static_range(4):
-        mbarrier.init(s_full.index(i), count=1)  # by the consumer that wrote the half
-        mbarrier.init(dp_full.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(done.index(i), count=2)
     # fmt: off
     gl.warp_specialize(
         [(_consume, (0, q_smem, do_smem, k_smem, v_smem, s_smem, dp_smem, s_full, dp_full, kv_bar, ready,

@@ -27,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .columns import FULL_END, FULL_START, K_ROW0, KV_END, KV_LEN, KV_START, Q_ROW0, Q_ROW_LAST
 from .gluon_compat import tma_load
 from .gluon_parts import in_interval
-from .kernel_gluon_dkdv import score_grads
+from .kernel_gluon_dkdv import acc_layout, operand_layout, score_grads, slot_barriers
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup
 # Per head_dim: queries per program, keys per tile, K and V slots. d128: Q and dO's 64 KB and
@@ -53,6 +53,29 @@ def tile_info(TILE_INFO, N_INFO: gl.constexpr, HQ: gl.constexpr, BLOCK_N: gl.con
     full_end = gl.load(info + FULL_END)
     n_tiles = (kv_end - kv_start + BLOCK_N - 1) // BLOCK_N
     return pid % HQ, q_row0, q_row_last, k_row0, kv_len, kv_start, n_tiles, full_start, full_end
+
+
+@gluon.jit
+def row_stats(LO, HI, LSE2, DELTA, row0, q_row_last, head, s_layout: gl.constexpr, HQ: gl.constexpr):
+    """The interval, ``lse2`` and ``delta`` of a consumer's 64 rows from ``row0`` (the last two
+    broadcast along a tile's keys). Rows past the sequence's end copy its last row's (as the
+    forward's): finite work on rows never stored; a program with no walk reads row 0's."""
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    q_idx = gl.maximum(gl.minimum(rows, q_row_last), 0)
+    lse2 = gl.expand_dims(gl.load(LSE2 + q_idx * HQ + head), 1)
+    delta = gl.expand_dims(gl.load(DELTA + q_idx * HQ + head), 1)
+    return gl.load(LO + q_idx), gl.load(HI + q_idx), lse2, delta
+
+
+@gluon.jit
+def store_rows(dq, DQ, row0, q_row_last, head, col0, stride_dqt, stride_dqh):
+    """``dq`` (fp32, a wgmma accumulator) as rows ``row0 ...`` up to ``q_row_last`` of ``head``,
+    columns ``col0 ...``."""
+    layout: gl.constexpr = dq.type.layout
+    rows = row0 + gl.arange(0, dq.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = gl.expand_dims(col0 + gl.arange(0, dq.shape[1], layout=gl.SliceLayout(0, layout)), 0)
+    ptrs = DQ + gl.expand_dims(rows.to(gl.int64) * stride_dqt, 1) + head * stride_dqh + cols
+    gl.store(ptrs, dq.to(DQ.dtype.element_ty), mask=gl.expand_dims(rows <= q_row_last, 1))
 
 
 @gluon.jit
@@ -113,22 +136,10 @@ def _consume(PART: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, ready, 
         TILE_INFO, N_INFO, HQ, BLOCK_N
     )
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    # Rows past the sequence's end copy the last row's interval and statistics (as the forward's):
-    # finite work on rows never stored. A program with no walk reads row 0's.
-    row = q_row0 + PART * ROWS + gl.arange(0, ROWS, layout=rows_s)
-    q_idx = gl.maximum(gl.minimum(row, q_row_last), 0)
-    lo = gl.load(LO + q_idx)
-    hi = gl.load(HI + q_idx)
-    lse2 = gl.expand_dims(gl.load(LSE2 + q_idx * HQ + head), 1)
-    delta = gl.expand_dims(gl.load(DELTA + q_idx * HQ + head), 1)
+    s_layout: gl.constexpr = acc_layout(BLOCK_N)
+    o_layout: gl.constexpr = acc_layout(HEAD_DIM)
+    a_layout: gl.constexpr = operand_layout(o_layout)
+    lo, hi, lse2, delta = row_stats(LO, HI, LSE2, DELTA, q_row0 + PART * ROWS, q_row_last, head, s_layout, HQ)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     tma_last = kv_len - BLOCK_N
     q = q_smem.index(PART)
@@ -163,12 +174,7 @@ def _consume(PART: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, ready, 
     dq = warpgroup_mma(ds_a, k_smem.index(last), dq, is_async=True)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
     dq = gl.where(live, dq, 0.0)
-    dq = dq * scale
-    out_rows = q_row0 + PART * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    ptrs = DQ + gl.expand_dims(out_rows.to(gl.int64) * stride_dqt, 1) + head * stride_dqh
-    ptrs += gl.expand_dims(offs_d, 0)
-    gl.store(ptrs, dq.to(DQ.dtype.element_ty), mask=gl.expand_dims(out_rows <= q_row_last, 1))
+    store_rows(dq * scale, DQ, q_row0 + PART * ROWS, q_row_last, head, 0, stride_dqt, stride_dqh)
 
 
 @gluon.jit
@@ -185,12 +191,8 @@ def attn_bwd_dq_gluon(
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    done = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready, done = slot_barriers(STAGES)
     mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(done.index(i), count=2)
     # fmt: off
     gl.warp_specialize(
         [(_consume, (0, q_smem, do_smem, k_smem, v_smem, q_bar, ready, done, TILE_INFO, LSE2, DELTA, LO, HI,

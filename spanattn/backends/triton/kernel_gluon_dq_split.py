@@ -17,8 +17,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .kernel_gluon_dkdv_split import half_products, swap
-from .kernel_gluon_dq import ROWS, produce_keys, tile_ds, tile_info
+from .kernel_gluon_dkdv import acc_layout, operand_layout, slot_barriers
+from .kernel_gluon_dkdv_split import half_products, swap, swap_buffers
+from .kernel_gluon_dq import ROWS, produce_keys, row_stats, store_rows, tile_ds, tile_info
 
 
 @gluon.jit
@@ -34,20 +35,10 @@ def _consume(PART: gl.constexpr, q_smem, do_smem, k_smem, v_smem, s_smem, dp_sme
         TILE_INFO, N_INFO, HQ, BLOCK_N
     )
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WIDTH, 16]
-    )
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    # Rows past the sequence's end copy the last row's interval and statistics (kernel_gluon_dq).
-    q_idx = gl.maximum(gl.minimum(q_row0 + gl.arange(0, ROWS, layout=rows_s), q_row_last), 0)
-    lo = gl.load(LO + q_idx)
-    hi = gl.load(HI + q_idx)
-    lse2 = gl.expand_dims(gl.load(LSE2 + q_idx * HQ + head), 1)
-    delta = gl.expand_dims(gl.load(DELTA + q_idx * HQ + head), 1)
+    s_layout: gl.constexpr = acc_layout(BLOCK_N)
+    o_layout: gl.constexpr = acc_layout(WIDTH)
+    a_layout: gl.constexpr = operand_layout(o_layout)
+    lo, hi, lse2, delta = row_stats(LO, HI, LSE2, DELTA, q_row0, q_row_last, head, s_layout, HQ)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     tma_last = kv_len - BLOCK_N
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
@@ -70,12 +61,8 @@ def _consume(PART: gl.constexpr, q_smem, do_smem, k_smem, v_smem, s_smem, dp_sme
         dq1 = warpgroup_mma(ds_a, k_smem.index(slot * PIECES + first + 1), dq1, is_async=True)
         dq0, dq1 = warpgroup_mma_wait(num_outstanding=0, deps=[dq0, dq1])
         mbarrier.arrive(done.index(slot))
-    out_rows = q_row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-    ok = gl.expand_dims(out_rows <= q_row_last, 1)
-    base = DQ + gl.expand_dims(out_rows.to(gl.int64) * stride_dqt, 1) + head * stride_dqh
-    cols = gl.expand_dims(gl.arange(0, WIDTH, layout=gl.SliceLayout(0, o_layout)), 0)
-    gl.store(base + first * WIDTH + cols, (dq0 * scale).to(DQ.dtype.element_ty), mask=ok)
-    gl.store(base + (first + 1) * WIDTH + cols, (dq1 * scale).to(DQ.dtype.element_ty), mask=ok)
+    store_rows(dq0 * scale, DQ, q_row0, q_row_last, head, first * WIDTH, stride_dqt, stride_dqh)
+    store_rows(dq1 * scale, DQ, q_row0, q_row_last, head, (first + 1) * WIDTH, stride_dqt, stride_dqh)
 
 
 @gluon.jit
@@ -89,26 +76,14 @@ def attn_bwd_dq_gluon_split(
     dtype: gl.constexpr = q_desc.dtype
     WIDTH: gl.constexpr = q_desc.block_type.shape[1]  # columns of a piece (128)
     PIECES: gl.constexpr = HEAD_DIM // WIDTH
-    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], gl.float32)
     q_smem = gl.allocate_shared_memory(dtype, [PIECES, ROWS, WIDTH], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [PIECES, ROWS, WIDTH], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES * PIECES, BLOCK_N, WIDTH], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES * PIECES, BLOCK_N, WIDTH], v_desc.layout)
-    # Each consumer's halves of the scores and of dO V^T in two slots, by tile parity (swap).
-    s_smem = gl.allocate_shared_memory(gl.float32, [4, ROWS, BLOCK_N], x_layout)
-    dp_smem = gl.allocate_shared_memory(gl.float32, [4, ROWS, BLOCK_N], x_layout)
-    s_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    dp_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    s_smem, dp_smem, s_full, dp_full = swap_buffers(ROWS, BLOCK_N)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    done = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready, done = slot_barriers(STAGES)
     mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(4):
-        mbarrier.init(s_full.index(i), count=1)  # by the consumer that wrote the half
-        mbarrier.init(dp_full.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(done.index(i), count=2)
     # fmt: off
     gl.warp_specialize(
         [(_consume, (0, q_smem, do_smem, k_smem, v_smem, s_smem, dp_smem, s_full, dp_full, q_bar, ready, done,
